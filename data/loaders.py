@@ -1,0 +1,161 @@
+"""The loaders behind `--loader`: torchvision ImageFolder and synthetic (DALI comes later).
+
+A Loader knows its sizes and yields device batches; the loop never asks which one it has.
+"""
+import os
+from pathlib import Path
+
+import torch
+import torchvision
+from torch.utils.data import DataLoader
+from torchvision.transforms import v2 as T
+
+from data.sharding import TrainBatchSampler, eval_batches
+from data.synthetic import synthetic_batch
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre crop
+
+
+class DataError(ValueError):
+    """The data given cannot be used; the message says what to do."""
+
+
+def _classes(split_dir: Path) -> list[str]:
+    return sorted(entry.name for entry in os.scandir(split_dir) if entry.is_dir())
+
+
+def check_tree(data_dir: str) -> list[str]:
+    """The sorted class names of an ImageNet-layout tree, or a DataError saying what is wrong."""
+    root = Path(data_dir)
+    if not root.is_dir():
+        raise DataError(f"data directory {root} does not exist; pass --data-dir with train/<class>/*.jpg and val/<class>/*.jpg")
+    for split in ("train", "val"):
+        if not (root / split).is_dir():
+            raise DataError(f"data directory {root} has no {split}/ folder; expected {split}/<class>/*.jpg")
+    train_classes, val_classes = _classes(root / "train"), _classes(root / "val")
+    if not train_classes:
+        raise DataError(f"{root / 'train'} holds no class folders; expected train/<class>/*.jpg")
+    if train_classes != val_classes:
+        only_train = sorted(set(train_classes) - set(val_classes))[:3]
+        only_val = sorted(set(val_classes) - set(train_classes))[:3]
+        raise DataError(f"train and val classes differ in {root} (only in train: {only_train}, only in val: {only_val}); "
+                        "both splits need the same class folders")
+    for split in ("train", "val"):
+        if not any(name.lower().endswith(IMAGE_EXTENSIONS)
+                   for cls in train_classes for name in os.listdir(root / split / cls)):
+            raise DataError(f"{root / split} holds no images; expected {split}/<class>/*.jpg")
+    return train_classes
+
+
+class _SeededImageFolder(torchvision.datasets.ImageFolder):
+    """ImageFolder whose training items are keyed by (index, augmentation seed).
+
+    Seeding torch's RNG per sample makes augmentation independent of worker count and
+    scheduling, which is what lets a resumed run repeat an uninterrupted one bit for bit.
+    """
+
+    def __getitem__(self, key):
+        if isinstance(key, tuple):
+            index, seed = key
+            torch.manual_seed(seed)
+            return super().__getitem__(index)
+        return super().__getitem__(key)
+
+
+class Loader:
+    """Sizes plus two iterators of device batches."""
+
+    def __init__(self, num_classes, train_images, val_images, steps_per_epoch):
+        self.num_classes, self.train_images = num_classes, train_images
+        self.val_images, self.steps_per_epoch = val_images, steps_per_epoch
+
+    def train_batches(self, epoch: int, start_step: int = 0):
+        raise NotImplementedError
+
+    def val_batches(self):
+        raise NotImplementedError
+
+
+class TorchLoader(Loader):
+    """torchvision ImageFolder + DataLoader workers; uint8 crops travel, normalisation runs on the device."""
+
+    def __init__(self, cfg, classes, rank, world_size, device):
+        root = Path(cfg.data_dir)
+        size = cfg.image_size
+        train_tf = T.Compose([T.RandomResizedCrop(size, scale=(cfg.crop_min_scale, 1.0), antialias=True),
+                              T.RandomHorizontalFlip(), T.PILToTensor()])
+        val_tf = T.Compose([T.Resize(round(size / EVAL_CROP_FRACTION), antialias=True),
+                            T.CenterCrop(size), T.PILToTensor()])
+        self.train_set = _SeededImageFolder(str(root / "train"), transform=train_tf)
+        self.val_set = torchvision.datasets.ImageFolder(str(root / "val"), transform=val_tf)
+        self.sampler = TrainBatchSampler(len(self.train_set), cfg.batch_size, rank, world_size, cfg.seed)
+        if self.sampler.num_items < self.sampler.global_batch:
+            raise DataError(f"{root / 'train'} has {self.sampler.num_items} images, fewer than one global batch "
+                            f"of {self.sampler.global_batch}; lower --batch-size")
+        super().__init__(len(classes), len(self.train_set), len(self.val_set),
+                         self.sampler.num_items // self.sampler.global_batch)
+        self.device, self.channels_last = device, cfg.channels_last
+        pin = device.type == "cuda"
+        workers = dict(num_workers=cfg.workers, persistent_workers=cfg.workers > 0, pin_memory=pin)
+        self.train_loader = DataLoader(self.train_set, batch_sampler=self.sampler, **workers)
+        self.val_loader = DataLoader(self.val_set, batch_sampler=eval_batches(len(self.val_set), cfg.batch_size, rank, world_size),
+                                     **workers)
+        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
+        self.inv_std = 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
+
+    def _on_device(self, batches):
+        for images, labels in batches:
+            images = images.to(self.device, non_blocking=True).float().sub_(self.mean).mul_(self.inv_std)
+            if self.channels_last:
+                images = images.contiguous(memory_format=torch.channels_last)
+            yield images, labels.to(self.device, non_blocking=True)
+
+    def train_batches(self, epoch, start_step=0):
+        self.sampler.epoch, self.sampler.start_step = epoch, start_step
+        return self._on_device(self.train_loader)
+
+    def val_batches(self):
+        return self._on_device(self.val_loader)
+
+
+_VAL_STREAM = 1 << 45  # validation samples are indexed apart from any training index
+
+
+class SyntheticLoader(Loader):
+    """Random tensors from (seed, global sample index), generated on the device."""
+
+    def __init__(self, cfg, rank, world_size, device):
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.global_batch = cfg.batch_size * world_size
+        if cfg.synthetic_images < self.global_batch:
+            raise DataError(f"--synthetic-images {cfg.synthetic_images} is fewer than one global batch of {self.global_batch}")
+        super().__init__(cfg.synthetic_classes, cfg.synthetic_images, cfg.synthetic_val_images,
+                         cfg.synthetic_images // self.global_batch)
+
+    def _batch(self, indices: torch.Tensor):
+        images, labels = synthetic_batch(indices, self.cfg.seed, self.cfg.image_size, self.num_classes, self.device)
+        if self.cfg.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, labels
+
+    def train_batches(self, epoch, start_step=0):
+        b = self.cfg.batch_size
+        for step in range(start_step, self.steps_per_epoch):
+            global_index = epoch * self.train_images + step * self.global_batch + self.rank * b
+            yield self._batch(torch.arange(global_index, global_index + b))
+
+    def val_batches(self):
+        for batch in eval_batches(self.val_images, self.cfg.batch_size, self.rank, self.world_size):
+            yield self._batch(torch.tensor(batch) + _VAL_STREAM)
+
+
+def build_loader(cfg, rank: int, world_size: int, device: torch.device) -> Loader:
+    if cfg.loader == "synthetic":
+        return SyntheticLoader(cfg, rank, world_size, device)
+    if cfg.loader == "torch":
+        classes = check_tree(cfg.data_dir)
+        return TorchLoader(cfg, classes, rank, world_size, device)
+    raise DataError(f"unknown --loader {cfg.loader!r}; choose torch or synthetic")

@@ -1,0 +1,39 @@
+"""Shared helpers: a private cache for generated data, and a runner for the real CLI."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    """Generated datasets and FLOP counts go to a per-session folder, never the user's cache."""
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("TRAINER_CACHE_DIR")
+    os.environ["TRAINER_CACHE_DIR"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("TRAINER_CACHE_DIR", None)
+    else:
+        os.environ["TRAINER_CACHE_DIR"] = old
+
+
+def run_train(*args, cwd, timeout=600) -> subprocess.CompletedProcess:
+    """`python -m train ARGS` in a fresh process, as a user would run it."""
+    return subprocess.run([sys.executable, "-m", "train", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def compliance(mllog: Path, cwd: Path) -> subprocess.CompletedProcess:
+    """The real mlperf_logging compliance checker (it writes compliance_checker.log into cwd)."""
+    return subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
+                           "--ruleset", "4.0.0", str(mllog)], cwd=cwd, capture_output=True, text=True, timeout=120)

@@ -1,0 +1,110 @@
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+import data.embedded as embedded
+from data.loaders import TorchLoader, check_tree
+from data.sharding import TrainBatchSampler, eval_batches
+from data.synthetic import synthetic_batch
+from train.config import Config
+
+
+def digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for f in sorted(root.rglob("*.JPEG")):
+        h.update(str(f.relative_to(root)).encode()); h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def test_embedded_dataset_is_real_jpegs_in_imagenet_layout_and_deterministic(tmp_path):
+    a = embedded.ensure_embedded(seed=3, train_per_class=4, val_per_class=2, root=tmp_path / "a")
+    b = embedded.ensure_embedded(seed=3, train_per_class=4, val_per_class=2, root=tmp_path / "b")
+    assert digest(a) == digest(b)
+    assert check_tree(str(a)) == sorted(embedded.CLASSES)
+    files = sorted((a / "train").rglob("*.JPEG"))
+    assert len(files) == 4 * len(embedded.CLASSES) and len(list((a / "val").rglob("*.JPEG"))) == 2 * len(embedded.CLASSES)
+    sizes = set()
+    for f in files:
+        with Image.open(f) as im:
+            assert im.format == "JPEG" and im.mode == "RGB"
+            sizes.add(im.size)
+    assert len(sizes) > 10  # varied sizes, as real photos are
+    c = embedded.ensure_embedded(seed=4, train_per_class=4, val_per_class=2, root=tmp_path / "a")
+    assert digest(c) != digest(a)
+
+
+def test_embedded_dataset_is_reused_and_regenerated_on_version_change(tmp_path, monkeypatch):
+    first = embedded.ensure_embedded(train_per_class=2, val_per_class=1, root=tmp_path)
+    stamp = (first / "train").stat().st_mtime_ns
+    assert embedded.ensure_embedded(train_per_class=2, val_per_class=1, root=tmp_path) == first
+    assert (first / "train").stat().st_mtime_ns == stamp
+    monkeypatch.setattr(embedded, "GENERATOR_VERSION", embedded.GENERATOR_VERSION + 1)
+    second = embedded.ensure_embedded(train_per_class=2, val_per_class=1, root=tmp_path)
+    assert second != first and (second / ".complete").exists()
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_train_sharding_covers_each_sample_once_per_epoch(world):
+    n, b = 103, 4
+    samplers = [TrainBatchSampler(n, b, rank, world, seed=7) for rank in range(world)]
+    for epoch in (0, 1):
+        seen = []
+        for s in samplers:
+            s.epoch = epoch
+            seen += [i for batch in s for i, _ in batch]
+        global_batch = b * world
+        assert len(seen) == (n // global_batch) * global_batch  # only the last partial global batch is dropped
+        assert len(set(seen)) == len(seen)
+
+
+def test_global_batches_do_not_depend_on_rank_count():
+    one = TrainBatchSampler(64, 8, 0, 1, seed=1)
+    two = [TrainBatchSampler(64, 4, r, 2, seed=1) for r in range(2)]
+    for step_one, step_r0, step_r1 in zip(one, two[0], two[1]):
+        assert step_one == step_r0 + step_r1  # same files, same augmentation seeds
+
+
+def test_resumed_sampler_continues_the_same_order():
+    full = list(TrainBatchSampler(50, 5, seed=2))
+    later = TrainBatchSampler(50, 5, seed=2)
+    later.start_step = 4
+    assert list(later) == full[4:]
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_eval_sharding_counts_every_image_exactly_once(world):
+    seen = [i for r in range(world) for batch in eval_batches(101, 8, r, world) for i in batch]
+    assert sorted(seen) == list(range(101))
+
+
+def test_synthetic_samples_depend_only_on_global_index():
+    whole_x, whole_y = synthetic_batch(torch.arange(100, 108), 5, 16, 1000, torch.device("cpu"))
+    a_x, a_y = synthetic_batch(torch.arange(100, 104), 5, 16, 1000, torch.device("cpu"))
+    b_x, b_y = synthetic_batch(torch.arange(104, 108), 5, 16, 1000, torch.device("cpu"))
+    assert torch.equal(whole_x, torch.cat([a_x, b_x])) and torch.equal(whole_y, torch.cat([a_y, b_y]))
+    assert whole_x.shape == (8, 3, 16, 16) and whole_y.min() >= 0 and whole_y.max() < 1000
+    assert abs(whole_x.mean().item()) < 0.05 and abs(whole_x.std().item() - 1) < 0.05
+    other_x, _ = synthetic_batch(torch.arange(100, 108), 6, 16, 1000, torch.device("cpu"))
+    assert not torch.equal(other_x, whole_x)
+
+
+def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
+    root = embedded.ensure_embedded(train_per_class=6, val_per_class=3, root=tmp_path)
+    cfg = Config(data_dir=str(root), image_size=32, batch_size=8, workers=0)
+    loader = TorchLoader(cfg, check_tree(str(root)), 0, 1, torch.device("cpu"))
+    assert loader.train_set.classes == sorted(embedded.CLASSES)
+    assert loader.train_set.class_to_idx == loader.val_set.class_to_idx
+    assert loader.steps_per_epoch == 60 // 8
+    images, labels = next(iter(loader.train_batches(epoch=0)))
+    assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
+    assert images.is_contiguous(memory_format=torch.channels_last)
+    assert -3 < images.mean().item() < 3
+    again, _ = next(iter(loader.train_batches(epoch=0)))
+    other_epoch, _ = next(iter(loader.train_batches(epoch=1)))
+    assert torch.equal(images, again) and not torch.equal(images, other_epoch)
+    # val: every image exactly once, with the label of its folder
+    val_labels = torch.cat([y for _, y in loader.val_batches()])
+    assert val_labels.tolist() == [label for _, label in loader.val_set.samples]

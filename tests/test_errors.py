@@ -1,0 +1,116 @@
+"""Bad input: one line naming the problem, exit code 2, and no run directory left behind."""
+import shutil
+
+import pytest
+import torch
+
+from conftest import run_train
+from data.embedded import ensure_embedded
+
+TINY = ["--arch", "resnet18", "--image-size", 32, "--workers", 0]
+
+
+def expect_usage_error(tmp_path, *args, match):
+    result = run_train("--out-dir", "run", *args, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], result.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "runs").exists()
+    return lines[0]
+
+
+def make_tree(root, train_classes, val_classes, images_per_class=2):
+    source = ensure_embedded() / "train" / "blue_blobs"
+    picks = sorted(source.iterdir())[:images_per_class]
+    for split, classes in (("train", train_classes), ("val", val_classes)):
+        for cls in classes:
+            (root / split / cls).mkdir(parents=True)
+            for f in picks:
+                shutil.copy(f, root / split / cls / f.name)
+    return root
+
+
+def test_missing_data_dir(tmp_path):
+    expect_usage_error(tmp_path, "--data-dir", tmp_path / "nowhere", match="does not exist")
+
+
+def test_empty_data_dir(tmp_path):
+    (tmp_path / "empty").mkdir()
+    expect_usage_error(tmp_path, "--data-dir", tmp_path / "empty", match="no train/ folder")
+
+
+def test_data_dir_without_images(tmp_path):
+    for split in ("train", "val"):
+        (tmp_path / "d" / split / "cat").mkdir(parents=True)
+        (tmp_path / "d" / split / "cat" / "notes.txt").write_text("no image here")
+    expect_usage_error(tmp_path, "--data-dir", tmp_path / "d", *TINY, match="holds no images")
+
+
+def test_train_val_class_mismatch(tmp_path):
+    tree = make_tree(tmp_path / "d", ["cat", "dog"], ["cat", "fox"])
+    expect_usage_error(tmp_path, "--data-dir", tree, *TINY, match="train and val classes differ")
+
+
+def test_unknown_arch(tmp_path):
+    expect_usage_error(tmp_path, "--arch", "resnet51", match="unknown --arch 'resnet51'")
+
+
+def test_unknown_preset(tmp_path):
+    expect_usage_error(tmp_path, "--preset", "mlperf-bs1", match="unknown preset 'mlperf-bs1'")
+
+
+@pytest.mark.parametrize("flag", ["--batch-size", "--global-batch-size"])
+def test_non_positive_batch_size(tmp_path, flag):
+    expect_usage_error(tmp_path, "--batch-size", 0, match="--batch-size must be positive")
+    expect_usage_error(tmp_path, flag, -4, match="must be positive")
+
+
+@pytest.mark.parametrize("content, match", [
+    ("arch: [resnet50\n", "cannot be read as YAML"),
+    ("- just\n- a list\n", "must be a mapping"),
+    ("arch: resnet50\nlearning_rate: 3\n", "unknown setting 'learning_rate'"),
+    ("batch_size: lots\n", "batch_size must be int"),
+])
+def test_malformed_preset_file(tmp_path, content, match):
+    preset = tmp_path / "bad.yaml"
+    preset.write_text(content)
+    expect_usage_error(tmp_path, "--preset", preset, match=match)
+
+
+def test_fp16_on_cpu_is_refused(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU, where fp16 is valid")
+    expect_usage_error(tmp_path, "--precision", "fp16", match="fp16 needs a CUDA GPU")
+
+
+def test_global_batch_larger_than_the_dataset(tmp_path):
+    tree = make_tree(tmp_path / "d", ["cat", "dog"], ["cat", "dog"])
+    expect_usage_error(tmp_path, "--data-dir", tree, *TINY, "--batch-size", 64, match="fewer than one global batch")
+
+
+def test_resume_without_a_run(tmp_path):
+    expect_usage_error(tmp_path, "--resume", match="no config.yaml to resume")
+
+
+def test_existing_run_is_not_overwritten(tmp_path):
+    first = run_train("--out-dir", "run", *TINY, "--max-steps", 1, "--eval-every", 0, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    again = run_train("--out-dir", "run", *TINY, "--max-steps", 1, cwd=tmp_path)
+    assert again.returncode == 2 and "already holds a run" in again.stderr
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
+
+
+def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
+    good = run_train("--out-dir", "run", *TINY, "--max-steps", 15, "--epochs", 3, cwd=tmp_path)
+    assert good.returncode == 0, good.stderr
+    before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
+    bad = run_train("--out-dir", "run", "--resume", "--max-steps", 0, "--lr", 1e30, "--max-bad-steps", 3,
+                    "--log-every", 1, cwd=tmp_path)
+    assert bad.returncode == 3, bad.stderr
+    message = bad.stderr.strip().splitlines()
+    assert len(message) == 1 and "loss was not finite" in message[0] and "last good checkpoint kept" in message[0]
+    assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
+    assert '"status": "aborted"' in (tmp_path / "run" / "mllog.txt").read_text().splitlines()[-1]

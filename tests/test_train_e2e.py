@@ -1,0 +1,132 @@
+"""End-to-end runs of the real CLI on the embedded dataset, a few steps each."""
+import re
+import shutil
+
+import pytest
+import torch
+import torchvision
+import yaml
+
+from conftest import compliance, read_metrics, run_train
+from data.embedded import ensure_embedded
+from train.config import parse, preset_names
+
+FEW_STEPS = ["--max-steps", 3, "--workers", 1]
+
+
+@pytest.fixture(scope="module")
+def short_run(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("short")
+    result = run_train("--out-dir", "run", *FEW_STEPS, "--log-every", 1, cwd=cwd)
+    assert result.returncode == 0, result.stderr
+    return cwd, cwd / "run", result
+
+
+def test_short_run_writes_a_complete_run_directory(short_run):
+    cwd, run_dir, result = short_run
+    assert {p.name for p in run_dir.iterdir()} >= {"mllog.txt", "metrics.jsonl", "checkpoint.pt", "config.yaml"}
+    assert re.search(r"epoch\s+1/16 .* img/s", result.stdout) and "top-1" in result.stdout
+    metrics = read_metrics(run_dir)
+    train = [m for m in metrics if m["kind"] == "train"]
+    assert [m["step"] for m in train] == [1, 2, 3]
+    assert all(m["img_per_s"] > 0 and m["images"] == 64 * m["step"] for m in train)
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    assert len(evals) == 1 and evals[0]["eval_images"] == 300 and 0 <= evals[0]["top1"] <= evals[0]["top5"] <= 1
+    config = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert config["arch"] == "resnet50" and config["max_steps"] == 3 and config["preset"] == "smoke"
+
+
+def test_checkpoint_holds_a_torchvision_loadable_model(short_run):
+    _, run_dir, _ = short_run
+    state = torch.load(run_dir / "checkpoint.pt", weights_only=False)
+    assert state["step"] == 3 and state["epoch"] == 0 and state["step_in_epoch"] == 3
+    assert state["config"]["global_batch_size"] == 64 and "optimizer" in state
+    model = torchvision.models.resnet50(num_classes=10)
+    model.load_state_dict(state["model"])  # strict: key-for-key the torchvision model
+
+
+def test_short_run_log_passes_the_real_compliance_checker(short_run):
+    cwd, run_dir, _ = short_run
+    result = compliance(run_dir / "mllog.txt", cwd)
+    assert result.returncode == 0 and "SUCCESS" in result.stdout + result.stderr, result.stdout + result.stderr
+    keys = {k for k in re.findall(r'"key": "(\w+)"', (run_dir / "mllog.txt").read_text())}
+    assert {"lars_opt_base_learning_rate", "lars_epsilon", "model_bn_span", "global_batch_size", "train_samples",
+            "eval_samples", "block_start", "block_stop", "eval_accuracy", "run_stop"} <= keys
+
+
+def test_closed_division_fails_only_on_the_accuracy_target(tmp_path):
+    result = run_train("--out-dir", "run", *FEW_STEPS, "--division", "closed", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    checked = compliance(tmp_path / "run" / "mllog.txt", tmp_path)
+    output = checked.stdout + checked.stderr
+    assert checked.returncode != 0 and "FAILED" in output
+    problems = [line for line in output.splitlines() if re.match(r"(WARNING|ERROR) ", line) and "FAILED" not in line]
+    assert problems and all("eval_accuracy" in line and "0.7590" in line for line in problems), problems
+
+
+def test_synthetic_loader_trains_a_few_steps(tmp_path):
+    result = run_train("--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 32,
+                       "--batch-size", 8, "--global-batch-size", 0, "--synthetic-images", 64, "--synthetic-val-images", 20,
+                       "--synthetic-classes", 10, "--max-steps", 3, "--log-every", 1, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    evals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"]
+    assert evals[-1]["eval_images"] == 20
+
+
+def test_own_imagenet_layout_tree_with_flags(tmp_path):
+    source = ensure_embedded()
+    tree = tmp_path / "mydata"
+    for split, keep in (("train", 8), ("val", 3)):
+        for cls in ("blue_blobs", "red_hstripes", "yellow_checker"):
+            (tree / split / cls).mkdir(parents=True)
+            for f in sorted((source / split / cls).iterdir())[:keep]:
+                shutil.copy(f, tree / split / cls / f.name.replace(".JPEG", ".jpg"))
+    result = run_train("--data-dir", tree, "--out-dir", "run", "--arch", "resnet18", "--image-size", 32,
+                       "--batch-size", 4, "--epochs", 2, "--eval-every", 1, "--workers", 0, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    config = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())
+    assert config["preset"] == "" and config["batch_size"] == 4
+    evals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"]
+    assert [e["epoch"] for e in evals] == [1, 2] and all(e["eval_images"] == 9 for e in evals)
+    state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
+    assert state["model"]["fc.weight"].shape == (3, 512) and state["step"] == 2 * (24 // 4)
+
+
+# The MLPerf reference convergence points (shared/FACTS.md): global batch -> base LR, warmup epochs, wd, momentum.
+MLPERF_POINTS = {3264: (10.5, 2, 5e-5, 0.9), 8192: (17, 5, 2e-4, 0.9), 32768: (21.2, 16, 2.5e-5, 0.94),
+                 65536: (24.699, 31, 1e-4, 0.951807)}
+
+
+@pytest.mark.parametrize("batch", sorted(MLPERF_POINTS))
+def test_mlperf_presets_carry_the_reference_hyperparameters(batch):
+    cfg = parse(["--preset", f"mlperf-bs{batch}", "--data-dir", "/imagenet"])
+    lr, warmup, wd, momentum = MLPERF_POINTS[batch]
+    assert (cfg.global_batch_size, cfg.lr, cfg.warmup_epochs, cfg.weight_decay, cfg.momentum) == (batch, lr, warmup, wd, momentum)
+    assert (cfg.optimizer, cfg.end_lr, cfg.lr_decay_power, cfg.lars_epsilon, cfg.label_smoothing) == ("lars", 1e-4, 2, 0, 0.1)
+    assert cfg.image_size == 224 and cfg.eval_every == 4 and cfg.target_accuracy == 0.759 and cfg.division == "closed"
+
+
+def test_flags_override_the_preset_and_no_flags_mean_smoke():
+    assert parse([]).preset == "smoke" and parse([]).image_size == 32
+    cfg = parse(["--preset", "mlperf-bs3264", "--lr", "3.0", "--no-channels-last"])
+    assert cfg.lr == 3.0 and cfg.channels_last is False and cfg.global_batch_size == 3264
+    assert set(preset_names()) >= {"smoke", "mlperf-bs3264", "mlperf-bs8192", "mlperf-bs32768", "mlperf-bs65536"}
+
+
+def test_lr_per_256_scales_with_the_global_batch(tmp_path):
+    result = run_train("--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 32,
+                       "--global-batch-size", 16, "--lr-per-256", 0.1, "--synthetic-images", 32,
+                       "--synthetic-classes", 10, "--max-steps", 1, "--eval-every", 0, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    base_lr = re.search(r'"key": "lars_opt_base_learning_rate", "value": ([0-9.e-]+)', (tmp_path / "run" / "mllog.txt").read_text())
+    assert float(base_lr.group(1)) == pytest.approx(0.1 * 16 / 256)
+
+
+def test_bf16_on_cpu_trains(tmp_path):
+    result = run_train("--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 32,
+                       "--global-batch-size", 8, "--precision", "bf16", "--synthetic-images", 32, "--synthetic-classes", 10,
+                       "--max-steps", 4, "--log-every", 1, "--eval-every", 0, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
+    assert len(losses) == 4 and all(0 < loss < 20 for loss in losses)
+    assert '"value": "bf16"' in (tmp_path / "run" / "mllog.txt").read_text()

@@ -1,0 +1,22 @@
+"""`python -m train [flags]`: see `python -m train --help`."""
+import sys
+
+from data import DataError
+from train.config import UsageError, parse
+from train.loop import Diverged, run
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        run(parse(sys.argv[1:] if argv is None else argv))
+    except (UsageError, DataError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except Diverged as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""Checkpoints written atomically: a temporary file, fsync, rename, fsync of the folder.
+
+A crash or a full disk leaves the previous checkpoint.pt untouched.
+"""
+import os
+from pathlib import Path
+
+import torch
+
+
+def save(path: Path, state: dict) -> None:
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)
+    finally:
+        os.close(folder)
+
+
+def load(path: Path, device: torch.device) -> dict:
+    return torch.load(path, map_location=device, weights_only=False)

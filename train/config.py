@@ -1,0 +1,176 @@
+"""The run's settings: defaults < preset (YAML) < saved config of a resumed run < command-line flags.
+
+Every field is a flag with the usual spelling (batch_size -> --batch-size). A preset is a name
+of a YAML file shipped in train/presets/ or a path to one.
+"""
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+
+class UsageError(ValueError):
+    """Bad input: the message names the problem and what to do; the CLI exits with code 2."""
+
+
+@dataclass
+class Config:
+    # data
+    data_dir: str = field(default="", metadata={"help": "ImageNet-layout tree (train/<class>/, val/<class>/); empty: the embedded dataset"})
+    loader: str = field(default="torch", metadata={"help": "torch | synthetic"})
+    workers: int = field(default=4, metadata={"help": "DataLoader worker processes per rank"})
+    image_size: int = field(default=224, metadata={"help": "training and evaluation crop size in pixels"})
+    crop_min_scale: float = field(default=0.08, metadata={"help": "smallest area fraction of random-resized-crop"})
+    synthetic_images: int = field(default=1_281_167, metadata={"help": "training-set size of --loader synthetic"})
+    synthetic_val_images: int = field(default=50_000, metadata={"help": "validation-set size of --loader synthetic"})
+    synthetic_classes: int = field(default=1000, metadata={"help": "classes of --loader synthetic"})
+    # model
+    arch: str = field(default="resnet50", metadata={"help": "a torchvision ResNet: resnet18 ... resnet152, resnext*, wide_resnet*"})
+    zero_init_residual: bool = field(default=True, metadata={"help": "zero the last BN gamma of every residual block"})
+    channels_last: bool = field(default=True, metadata={"help": "NHWC memory format for model and batches"})
+    precision: str = field(default="auto", metadata={"help": "fp32 | bf16 | fp16 (CUDA only) | auto (bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU)"})
+    # optimisation
+    optimizer: str = field(default="lars", metadata={"help": "lars | sgd"})
+    batch_size: int = field(default=256, metadata={"help": "images per rank per step"})
+    global_batch_size: int = field(default=0, metadata={"help": "if set, the per-rank batch is this divided by the number of ranks"})
+    epochs: int = field(default=90, metadata={"help": "length of the run and of the LR schedule"})
+    lr: float = field(default=10.0, metadata={"help": "peak learning rate for the global batch"})
+    lr_per_256: float = field(default=0.0, metadata={"help": "if set, peak LR = this x global batch / 256"})
+    warmup_epochs: float = field(default=5.0, metadata={"help": "linear warmup length"})
+    end_lr: float = field(default=1e-4, metadata={"help": "LR at the last step of the polynomial decay"})
+    lr_decay_power: float = field(default=2.0, metadata={"help": "power of the polynomial decay"})
+    momentum: float = field(default=0.9)
+    weight_decay: float = field(default=5e-5)
+    lars_eta: float = field(default=0.001, metadata={"help": "LARS trust coefficient"})
+    lars_epsilon: float = field(default=0.0, metadata={"help": "LARS epsilon (0 means 0)"})
+    label_smoothing: float = field(default=0.1)
+    # evaluation
+    eval_every: int = field(default=4, metadata={"help": "evaluate every N epochs (0: never)"})
+    eval_offset: int = field(default=0, metadata={"help": "evaluate after epoch e when (e + offset) %% eval_every == 0"})
+    target_accuracy: float = field(default=0.0, metadata={"help": "stop once top-1 reaches this (0: run all epochs)"})
+    # run
+    engine: str = field(default="auto", metadata={"help": "auto | none (distributed engines plug in here)"})
+    out_dir: str = field(default="", metadata={"help": "run directory (default: runs/<preset>-<time>)"})
+    seed: int = field(default=0)
+    max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})
+    log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
+    checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
+    resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt"})
+    max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
+    division: str = field(default="open", metadata={"help": "MLPerf division declared in the log: open | closed"})
+    submission_org: str = field(default="reference-trainer")
+    submission_platform: str = field(default="", metadata={"help": "default: <ranks>x<device name>"})
+    preset: str = field(default="", metadata={"help": "YAML preset name in train/presets or a path (default: smoke without --data-dir)"})
+
+
+FIELDS = {f.name: f for f in fields(Config)}
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("train.presets").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_yaml_overrides(source: str, what: str) -> dict:
+    """A YAML mapping of Config fields, type-checked; `source` is a file path."""
+    try:
+        values = yaml.safe_load(Path(source).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        reason = str(err).splitlines()[0]
+        raise UsageError(f"{what} {source} cannot be read as YAML ({reason}); fix or remove it")
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise UsageError(f"{what} {source} must be a mapping of settings, not {type(values).__name__}")
+    for key, value in values.items():
+        key_field = FIELDS.get(str(key).replace("-", "_"))
+        if key_field is None or (key_field.name == "preset" and what == "preset"):
+            raise UsageError(f"{what} {source} has unknown setting {key!r}; see python -m train --help")
+        if not _fits(value, key_field.type):
+            raise UsageError(f"{what} {source}: {key} must be {key_field.type.__name__}, got {value!r}")
+    return {str(k).replace("-", "_"): (float(v) if FIELDS[str(k).replace("-", "_")].type is float else v)
+            for k, v in values.items()}
+
+
+def _fits(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def resolve_preset(name: str) -> Path:
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        if not Path(name).is_file():
+            raise UsageError(f"preset file {name} does not exist")
+        return Path(name)
+    if name not in preset_names():
+        raise UsageError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())} or give a .yaml path")
+    return Path(str(resources.files("train.presets") / f"{name}.yaml"))
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m train", description="Train a ResNet on ImageNet-layout data.",
+                                argument_default=argparse.SUPPRESS)
+    for f in fields(Config):
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "") + f" (default: {f.default!r})"
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            p.add_argument(flag, type=f.type, metavar=f.name.upper(), help=help_text)
+    return p
+
+
+def parse(argv: list[str]) -> Config:
+    """Defaults, then the preset, then a resumed run's saved config, then the flags."""
+    flags = vars(parser().parse_args(argv))
+    values: dict = {}
+    preset = flags.get("preset") or ("" if flags.get("data_dir") else "smoke")
+    if preset:
+        values.update(load_yaml_overrides(str(resolve_preset(preset)), "preset"))
+        values["preset"] = preset
+    if flags.get("resume"):
+        out_dir = flags.get("out_dir")
+        if not out_dir:
+            raise UsageError("--resume needs --out-dir naming the run to continue")
+        saved = Path(out_dir) / "config.yaml"
+        if not saved.is_file():
+            raise UsageError(f"{out_dir} holds no config.yaml to resume; check --out-dir")
+        values.update(load_yaml_overrides(str(saved), "saved config"))
+    values.update(flags)
+    return validate(Config(**values))
+
+
+def validate(cfg: Config) -> Config:
+    def need(ok: bool, message: str):
+        if not ok:
+            raise UsageError(message)
+    need(cfg.batch_size > 0, f"--batch-size must be positive, got {cfg.batch_size}")
+    need(cfg.global_batch_size >= 0, f"--global-batch-size must be positive, got {cfg.global_batch_size}")
+    need(cfg.epochs > 0, f"--epochs must be positive, got {cfg.epochs}")
+    need(cfg.image_size >= 16, f"--image-size must be at least 16, got {cfg.image_size}")
+    need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
+    need(cfg.loader in ("torch", "synthetic"), f"unknown --loader {cfg.loader!r}; choose torch or synthetic")
+    need(cfg.optimizer in ("lars", "sgd"), f"unknown --optimizer {cfg.optimizer!r}; choose lars or sgd")
+    need(cfg.precision in ("auto", "fp32", "bf16", "fp16"), f"unknown --precision {cfg.precision!r}; choose fp32, bf16, fp16 or auto")
+    need(cfg.division in ("open", "closed"), f"unknown --division {cfg.division!r}; choose open or closed")
+    need(0 < cfg.crop_min_scale <= 1, f"--crop-min-scale must be in (0, 1], got {cfg.crop_min_scale}")
+    need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
+    need(cfg.lr >= 0 and cfg.lr_per_256 >= 0, "learning rates must not be negative")
+    need(cfg.eval_every >= 0 and cfg.eval_offset >= 0, "--eval-every and --eval-offset must not be negative")
+    need(cfg.max_steps >= 0, f"--max-steps must not be negative, got {cfg.max_steps}")
+    need(cfg.log_every > 0 and cfg.checkpoint_every > 0, "--log-every and --checkpoint-every must be positive")
+    from models import ARCHS
+    need(cfg.arch in ARCHS, f"unknown --arch {cfg.arch!r}; choose one of {', '.join(ARCHS)}")
+    return cfg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,288 @@
+"""The training loop, readable top to bottom: set up, then epochs of steps, evals and checkpoints.
+
+Metrics stay on the device between logging points; the only host syncs are at log points,
+epoch ends and evaluations.
+"""
+import dataclasses
+import math
+import platform
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from mlperf_logging.mllog import constants as K
+
+from data import DataError, build_loader
+from data.embedded import ensure_embedded
+from models import build_model
+from train import checkpoint, engines
+from train.config import Config, UsageError, to_dict
+from train.lars import LARS, lars_param_groups
+from train.precision import Precision
+from train.runlog import RunLog, progress
+from train.schedule import WarmupPolySchedule
+
+RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
+
+
+class Diverged(RuntimeError):
+    """The loss stayed non-finite; the last good checkpoint is kept."""
+
+
+def run(cfg: Config) -> dict:
+    init_start_ms = int(time.time() * 1000)
+    engine = engines.create(cfg.engine)
+    device = engine.device
+    precision = Precision(cfg.precision, device)
+    cfg = _per_rank_batch(cfg, engine.world_size)
+    data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader == "torch" else "")
+    loader = build_loader(dataclasses.replace(cfg, data_dir=data_dir), engine.rank, engine.world_size, device)
+    out_dir = _prepare_out_dir(cfg, engine.rank == 0)  # after every check: bad input leaves no folder
+    cfg = dataclasses.replace(cfg, out_dir=str(out_dir))
+    log = RunLog(out_dir if engine.rank == 0 else None)
+    if engine.rank == 0:
+        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last).to(device)
+    global_batch = cfg.batch_size * engine.world_size
+    base_lr = cfg.lr_per_256 * global_batch / 256 if cfg.lr_per_256 else cfg.lr
+    optimizer = _optimizer(cfg, model, base_lr)
+    steps_per_epoch = loader.steps_per_epoch
+    schedule = WarmupPolySchedule(base_lr, round(cfg.warmup_epochs * steps_per_epoch),
+                                  cfg.epochs * steps_per_epoch, cfg.end_lr, cfg.lr_decay_power)
+    criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
+
+    step, epoch, step_in_epoch = 0, 0, 0
+    if cfg.resume:
+        state = checkpoint.load(out_dir / "checkpoint.pt", device)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        precision.load_state_dict(state["precision"])
+        step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
+        log.print(f"resuming {out_dir} at step {step} (epoch {epoch + 1}, step {step_in_epoch} of the epoch)")
+    model, optimizer = engine.wrap(model, optimizer)
+
+    _log_setup(log, cfg, engine, precision, loader, global_batch, base_lr, schedule, init_start_ms)
+    log.print(f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
+              f"{loader.train_images} train / {loader.val_images} val images | {engine.world_size} rank(s) x batch "
+              f"{cfg.batch_size} | {cfg.optimizer} lr {base_lr:g} | {precision.name} on {device.type} | {out_dir}")
+    log.end(K.INIT_STOP)
+    log.start(K.RUN_START)
+    run_start = time.time()
+
+    result = {"top1": None, "top5": None, "reached_target": False, "evaluated_at_step": -1}
+    bad_steps = torch.zeros((), dtype=torch.int64, device=device)  # consecutive non-finite losses
+    stop = step >= cfg.max_steps > 0
+    try:
+        while epoch < cfg.epochs and not stop:
+            epoch_number = epoch + 1  # MLLOG counts epochs from 1
+            if step_in_epoch == 0 and _first_of_block(cfg, epoch_number):
+                log.start(K.BLOCK_START, first_epoch_num=epoch_number,
+                          epoch_count=_next_eval_epoch(cfg, epoch_number) - epoch_number + 1)
+            log.start(K.EPOCH_START, epoch_num=epoch_number)
+            model.train()
+            loss_sum = torch.zeros((), device=device)
+            window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.time()
+            epoch_start, epoch_first_step = time.time(), step
+            batches = progress(loader.train_batches(epoch, step_in_epoch), steps_per_epoch - step_in_epoch,
+                               engine.rank == 0, f"epoch {epoch_number}")
+            for images, labels in batches:
+                lr = schedule(step + 1)
+                for group in optimizer.param_groups:
+                    group["lr"] = lr
+                with precision.autocast():
+                    loss = criterion(model(images), labels)
+                precision.backward_and_step(loss, optimizer)
+                optimizer.zero_grad(set_to_none=True)
+                loss = loss.detach().float()
+                finite = torch.isfinite(loss)
+                bad_steps = torch.where(finite, 0, bad_steps + 1)
+                window_loss += torch.where(finite, loss, 0.0)
+                step, step_in_epoch, window_steps = step + 1, step_in_epoch + 1, window_steps + 1
+                if step % cfg.log_every == 0:
+                    mean_loss = _mean_loss(engine, window_loss, window_steps)
+                    _check_finite(bad_steps, cfg, step, out_dir)
+                    now = time.time()
+                    log.metrics(kind="train", step=step, epoch=epoch + step_in_epoch / steps_per_epoch,
+                                images=step * global_batch, seconds=round(now - run_start, 3),
+                                img_per_s=round(window_steps * global_batch / (now - window_start), 2),
+                                loss=mean_loss, lr=lr)
+                    loss_sum += window_loss
+                    window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.time()
+                if step == cfg.max_steps:
+                    stop = True
+                    break
+            loss_sum += window_loss
+            epoch_steps = step - epoch_first_step
+            mean_loss = _mean_loss(engine, loss_sum, max(epoch_steps, 1))  # syncs the device: timing is honest
+            epoch_seconds = time.time() - epoch_start
+            _check_finite(bad_steps, cfg, step, out_dir)
+            finished_epoch = step_in_epoch == steps_per_epoch
+            if finished_epoch:
+                log.end(K.EPOCH_STOP, epoch_num=epoch_number)
+                epoch, step_in_epoch = epoch + 1, 0
+            img_per_s = epoch_steps * global_batch / max(epoch_seconds, 1e-9)
+            log.metrics(kind="epoch", step=step, epoch=epoch_number if finished_epoch else epoch + step_in_epoch / steps_per_epoch,
+                        images=step * global_batch, seconds=round(time.time() - run_start, 3),
+                        epoch_seconds=round(epoch_seconds, 3), img_per_s=round(img_per_s, 2), loss=mean_loss, lr=lr)
+            log.print(f"epoch {epoch_number:3d}/{cfg.epochs}  step {step:6d}  {epoch_seconds:7.1f} s  "
+                      f"{img_per_s:8.1f} img/s  loss {mean_loss:.4f}  lr {lr:.4g}")
+
+            last_epoch = epoch >= cfg.epochs
+            if cfg.eval_every and ((finished_epoch and _eval_due(cfg, epoch_number)) or last_epoch or stop):
+                _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, step, global_batch,
+                                  run_start, result)
+                stop = stop or result["reached_target"]
+            if engine.rank == 0 and (stop or last_epoch or (finished_epoch and epoch % cfg.checkpoint_every == 0)):
+                _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch)
+    except Diverged:
+        log.end(K.RUN_STOP, status=K.ABORTED)
+        log.close()
+        raise
+
+    status = K.SUCCESS if (result["reached_target"] or not cfg.target_accuracy) else K.ABORTED
+    log.end(K.RUN_STOP, status=status)
+    total_seconds = time.time() - run_start
+    log.print(f"done: {step} steps, {step * global_batch} images in {total_seconds:.1f} s; top-1 "
+              f"{result['top1'] if result['top1'] is None else round(result['top1'], 4)}; run directory {out_dir}")
+    log.close()
+    engine.shutdown()
+    return {**result, "steps": step, "images": step * global_batch, "seconds": total_seconds, "out_dir": str(out_dir)}
+
+
+def _per_rank_batch(cfg: Config, world_size: int) -> Config:
+    if not cfg.global_batch_size:
+        return cfg
+    if cfg.global_batch_size % world_size:
+        raise UsageError(f"--global-batch-size {cfg.global_batch_size} does not divide over {world_size} ranks; "
+                         "choose a multiple of the rank count")
+    return dataclasses.replace(cfg, batch_size=cfg.global_batch_size // world_size)
+
+
+def _prepare_out_dir(cfg: Config, is_writer: bool) -> Path:
+    out_dir = Path(cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if cfg.resume:
+        if not (out_dir / "checkpoint.pt").is_file():
+            raise UsageError(f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume")
+    elif any((out_dir / name).exists() for name in RUN_FILES):
+        raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+    if is_writer:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    return out_dir
+
+
+def _optimizer(cfg: Config, model: torch.nn.Module, lr: float) -> torch.optim.Optimizer:
+    groups = lars_param_groups(model)
+    if cfg.optimizer == "lars":
+        return LARS(groups, lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+                    eta=cfg.lars_eta, epsilon=cfg.lars_epsilon)
+    groups[0]["weight_decay"], groups[1]["weight_decay"] = cfg.weight_decay, 0.0
+    return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum, foreach=True)
+
+
+def _eval_due(cfg: Config, epoch_number: int) -> bool:
+    return cfg.eval_every > 0 and (epoch_number + cfg.eval_offset) % cfg.eval_every == 0
+
+
+def _next_eval_epoch(cfg: Config, epoch_number: int) -> int:
+    e = epoch_number
+    while e < cfg.epochs and not _eval_due(cfg, e):
+        e += 1
+    return e
+
+
+def _first_of_block(cfg: Config, epoch_number: int) -> bool:
+    return epoch_number == 1 or _eval_due(cfg, epoch_number - 1) or not cfg.eval_every
+
+
+def _mean_loss(engine, loss_sum: torch.Tensor, steps: int) -> float:
+    total = engine.all_reduce_sum(loss_sum.clone())
+    return round(total.item() / (steps * engine.world_size), 5)
+
+
+def _check_finite(bad_steps: torch.Tensor, cfg: Config, step: int, out_dir: Path) -> None:
+    if bad_steps.item() >= cfg.max_bad_steps:
+        raise Diverged(f"loss was not finite for {bad_steps.item()} consecutive steps (at step {step}); "
+                       f"stopped, last good checkpoint kept in {out_dir}; lower --lr")
+
+
+def _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch) -> None:
+    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    if not bool(torch.isfinite(weights).all()):
+        raise Diverged(f"weights are not finite at step {step}; stopped, last good checkpoint kept in {out_dir}; lower --lr")
+    model = getattr(model, "module", model)
+    checkpoint.save(out_dir / "checkpoint.pt", {
+        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "precision": precision.state_dict(),
+        "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "config": to_dict(cfg)})
+
+
+@torch.no_grad()
+def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
+    """(top-1, top-5, images) over the whole validation set: global correct / global total."""
+    model.eval()
+    device = engine.device
+    counts = torch.zeros(3, dtype=torch.int64, device=device)  # top-1 hits, top-5 hits, images
+    for images, labels in loader.val_batches():
+        with precision.autocast():
+            logits = model(images)
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hits = top == labels[:, None]
+        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
+    counts = engine.all_reduce_sum(counts)
+    top1, top5, total = counts.tolist()
+    return top1 / max(total, 1), top5 / max(total, 1), total
+
+
+def _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, step, global_batch, run_start, result):
+    log.start(K.EVAL_START, epoch_num=epoch_number)
+    eval_start = time.time()
+    top1, top5, total = evaluate(model, loader, precision, engine)
+    eval_seconds = time.time() - eval_start
+    log.end(K.EVAL_STOP, epoch_num=epoch_number)
+    log.event(K.EVAL_ACCURACY, top1, epoch_num=epoch_number)
+    log.end(K.BLOCK_STOP, first_epoch_num=_block_first_epoch(cfg, epoch_number))
+    log.metrics(kind="eval", step=step, epoch=epoch_number, images=step * global_batch,
+                seconds=round(time.time() - run_start, 3), top1=round(top1, 5), top5=round(top5, 5),
+                eval_images=total, eval_seconds=round(eval_seconds, 3))
+    log.print(f"eval  {epoch_number:3d}/{cfg.epochs}  top-1 {top1:.4f}  top-5 {top5:.4f}  ({total} images, {eval_seconds:.1f} s)")
+    result.update(top1=top1, top5=top5, evaluated_at_step=step,
+                  reached_target=bool(cfg.target_accuracy and top1 >= cfg.target_accuracy))
+
+
+def _block_first_epoch(cfg: Config, epoch_number: int) -> int:
+    e = epoch_number
+    while e > 1 and not _first_of_block(cfg, e):
+        e -= 1
+    return e
+
+
+def _log_setup(log, cfg, engine, precision, loader, global_batch, base_lr, schedule, init_start_ms) -> None:
+    log.start(K.INIT_START, time_ms=init_start_ms)  # taken before any set-up work, written once the log exists
+    device_name = torch.cuda.get_device_name(engine.device) if engine.device.type == "cuda" else (platform.processor() or "CPU")
+    for key, value in [
+        (K.SUBMISSION_BENCHMARK, K.RESNET), (K.SUBMISSION_DIVISION, cfg.division),
+        (K.SUBMISSION_ORG, cfg.submission_org), (K.SUBMISSION_STATUS, "research"),
+        (K.SUBMISSION_PLATFORM, cfg.submission_platform or f"{engine.world_size}x{device_name}"),
+        (K.CACHE_CLEAR, True), (K.SEED, cfg.seed),
+        (K.GLOBAL_BATCH_SIZE, global_batch), (K.GRADIENT_ACCUMULATION_STEPS, 1),
+        (K.TRAIN_SAMPLES, loader.train_images), (K.EVAL_SAMPLES, loader.val_images),
+        (K.MODEL_BN_SPAN, cfg.batch_size), (K.OPT_NAME, cfg.optimizer),
+    ]:
+        log.event(key, value)
+    prefix = "lars_opt" if cfg.optimizer == "lars" else "sgd_opt"
+    log.event(f"{prefix}_base_learning_rate", base_lr)
+    log.event(f"{prefix}_end_learning_rate", cfg.end_lr)
+    log.event(f"{prefix}_learning_rate_decay_poly_power", cfg.lr_decay_power)
+    log.event(f"{prefix}_learning_rate_decay_steps", schedule.decay_steps)
+    log.event(f"{prefix}_momentum", cfg.momentum)
+    log.event(f"{prefix}_weight_decay", cfg.weight_decay)
+    if cfg.optimizer == "lars":
+        log.event(K.LARS_EPSILON, cfg.lars_epsilon)
+        log.event(K.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS, cfg.warmup_epochs)
+        log.event("lars_opt_trust_coefficient", cfg.lars_eta)
+    else:
+        log.event(K.OPT_LR_WARMUP_EPOCHS, cfg.warmup_epochs)
+    log.event("label_smoothing", cfg.label_smoothing)
+    log.event("precision", precision.name)

@@ -1,0 +1,49 @@
+"""Mixed precision: autocast for the forward pass, dynamic loss scaling for fp16.
+
+fp16 (V100 TensorCores) needs a GradScaler, which skips steps whose gradients overflowed;
+bf16 has fp32's range and needs none, on CUDA and on CPU.
+"""
+import contextlib
+
+import torch
+
+from train.config import UsageError
+
+
+def resolve(name: str, device: torch.device) -> str:
+    if name == "auto":
+        if device.type != "cuda":
+            return "fp32"
+        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    if name == "fp16" and device.type != "cuda":
+        raise UsageError("--precision fp16 needs a CUDA GPU (loss scaling for TensorCores); use bf16 or fp32 on CPU")
+    return name
+
+
+class Precision:
+    def __init__(self, name: str, device: torch.device):
+        self.name = resolve(name, device)
+        self.device_type = device.type
+        self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.name)
+        self.scaler = torch.amp.GradScaler("cuda") if self.name == "fp16" else None
+
+    def autocast(self):
+        if self.dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device_type, dtype=self.dtype)
+
+    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            self.scaler.scale(loss).backward()
+            self.scaler.step(optimizer)  # skipped when the scaled gradients hold inf/NaN
+            self.scaler.update()
+
+    def state_dict(self) -> dict:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)
