@@ -4,7 +4,6 @@ Metrics stay on the device between logging points; the only host syncs are at lo
 epoch ends and evaluations.
 """
 import dataclasses
-import math
 import platform
 import time
 from pathlib import Path
@@ -13,7 +12,7 @@ import torch
 import yaml
 from mlperf_logging.mllog import constants as K
 
-from data import DataError, build_loader
+from data import build_loader
 from data.embedded import ensure_embedded
 from models import build_model
 from train import checkpoint, engines
@@ -86,9 +85,7 @@ def run(cfg: Config) -> dict:
                           epoch_count=_next_eval_epoch(cfg, epoch_number) - epoch_number + 1)
             log.start(K.EPOCH_START, epoch_num=epoch_number)
             model.train()
-            loss_sum = torch.zeros((), device=device)
-            window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.time()
-            epoch_start, epoch_first_step = time.time(), step
+            window, epoch_meter = LossMeter(device), LossMeter(device)
             batches = progress(loader.train_batches(epoch, step_in_epoch), steps_per_epoch - step_in_epoch,
                                engine.rank == 0, f"epoch {epoch_number}")
             for images, labels in batches:
@@ -100,34 +97,28 @@ def run(cfg: Config) -> dict:
                 precision.backward_and_step(loss, optimizer)
                 optimizer.zero_grad(set_to_none=True)
                 loss = loss.detach().float()
-                finite = torch.isfinite(loss)
-                bad_steps = torch.where(finite, 0, bad_steps + 1)
-                window_loss += torch.where(finite, loss, 0.0)
-                step, step_in_epoch, window_steps = step + 1, step_in_epoch + 1, window_steps + 1
+                bad_steps = torch.where(torch.isfinite(loss), 0, bad_steps + 1)
+                window.add(loss)
+                epoch_meter.add(loss)
+                step, step_in_epoch = step + 1, step_in_epoch + 1
                 if step % cfg.log_every == 0:
-                    mean_loss = _mean_loss(engine, window_loss, window_steps)
+                    mean_loss, seconds = window.mean(engine), window.seconds()  # host sync, then the clock
                     _check_finite(bad_steps, cfg, step, out_dir)
-                    now = time.time()
                     log.metrics(kind="train", step=step, epoch=epoch + step_in_epoch / steps_per_epoch,
-                                images=step * global_batch, seconds=round(now - run_start, 3),
-                                img_per_s=round(window_steps * global_batch / (now - window_start), 2),
-                                loss=mean_loss, lr=lr)
-                    loss_sum += window_loss
-                    window_loss, window_steps, window_start = torch.zeros((), device=device), 0, time.time()
+                                images=step * global_batch, seconds=round(time.time() - run_start, 3),
+                                img_per_s=round(window.steps * global_batch / seconds, 2), loss=mean_loss, lr=lr)
+                    window = LossMeter(device)
                 if step == cfg.max_steps:
                     stop = True
                     break
-            loss_sum += window_loss
-            epoch_steps = step - epoch_first_step
-            mean_loss = _mean_loss(engine, loss_sum, max(epoch_steps, 1))  # syncs the device: timing is honest
-            epoch_seconds = time.time() - epoch_start
+            mean_loss, epoch_seconds = epoch_meter.mean(engine), epoch_meter.seconds()
             _check_finite(bad_steps, cfg, step, out_dir)
             finished_epoch = step_in_epoch == steps_per_epoch
             if finished_epoch:
                 log.end(K.EPOCH_STOP, epoch_num=epoch_number)
                 epoch, step_in_epoch = epoch + 1, 0
-            img_per_s = epoch_steps * global_batch / max(epoch_seconds, 1e-9)
-            log.metrics(kind="epoch", step=step, epoch=epoch_number if finished_epoch else epoch + step_in_epoch / steps_per_epoch,
+            img_per_s = epoch_meter.steps * global_batch / epoch_seconds
+            log.metrics(kind="epoch", step=step, epoch=epoch if finished_epoch else epoch + step_in_epoch / steps_per_epoch,
                         images=step * global_batch, seconds=round(time.time() - run_start, 3),
                         epoch_seconds=round(epoch_seconds, 3), img_per_s=round(img_per_s, 2), loss=mean_loss, lr=lr)
             log.print(f"epoch {epoch_number:3d}/{cfg.epochs}  step {step:6d}  {epoch_seconds:7.1f} s  "
@@ -153,6 +144,24 @@ def run(cfg: Config) -> dict:
     log.close()
     engine.shutdown()
     return {**result, "steps": step, "images": step * global_batch, "seconds": total_seconds, "out_dir": str(out_dir)}
+
+
+class LossMeter:
+    """Losses summed on the device since the meter was made; read (one host sync) at logging points."""
+
+    def __init__(self, device: torch.device):
+        self.total, self.steps, self.start = torch.zeros((), device=device), 0, time.time()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.total += torch.where(torch.isfinite(loss), loss, 0.0)
+        self.steps += 1
+
+    def mean(self, engine) -> float:
+        total = engine.all_reduce_sum(self.total.clone())
+        return round(total.item() / (max(self.steps, 1) * engine.world_size), 5)
+
+    def seconds(self) -> float:
+        return max(time.time() - self.start, 1e-9)
 
 
 def _per_rank_batch(cfg: Config, world_size: int) -> Config:
@@ -198,11 +207,6 @@ def _next_eval_epoch(cfg: Config, epoch_number: int) -> int:
 
 def _first_of_block(cfg: Config, epoch_number: int) -> bool:
     return epoch_number == 1 or _eval_due(cfg, epoch_number - 1) or not cfg.eval_every
-
-
-def _mean_loss(engine, loss_sum: torch.Tensor, steps: int) -> float:
-    total = engine.all_reduce_sum(loss_sum.clone())
-    return round(total.item() / (steps * engine.world_size), 5)
 
 
 def _check_finite(bad_steps: torch.Tensor, cfg: Config, step: int, out_dir: Path) -> None:
