@@ -130,3 +130,13 @@ def test_bf16_on_cpu_trains(tmp_path):
     losses = [m["loss"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert len(losses) == 4 and all(0 < loss < 20 for loss in losses)
     assert '"value": "bf16"' in (tmp_path / "run" / "mllog.txt").read_text()
+
+
+def test_target_accuracy_stops_the_run_early(tmp_path):
+    result = run_train("--out-dir", "run", "--arch", "resnet18", "--target-accuracy", 0.3, "--workers", 1, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    evals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"]
+    assert evals[-1]["top1"] >= 0.3 and all(e["top1"] < 0.3 for e in evals[:-1])
+    assert evals[-1]["epoch"] < 16  # stopped before the scheduled 16 epochs
+    assert '"status": "success"' in (tmp_path / "run" / "mllog.txt").read_text().splitlines()[-1]
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == evals[-1]["step"]

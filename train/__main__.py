@@ -3,7 +3,7 @@ import sys
 
 from data import DataError
 from train.config import UsageError, parse
-from train.loop import Diverged, run
+from train.loop import RunAborted, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -12,7 +12,7 @@ def main(argv: list[str] | None = None) -> int:
     except (UsageError, DataError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    except Diverged as err:
+    except RunAborted as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
     return 0

@@ -25,8 +25,12 @@ from train.schedule import WarmupPolySchedule
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
 
-class Diverged(RuntimeError):
-    """The loss stayed non-finite; the last good checkpoint is kept."""
+class RunAborted(RuntimeError):
+    """The run stopped itself cleanly (MLLOG status aborted) and kept its last good checkpoint."""
+
+
+class Diverged(RunAborted):
+    """The loss stayed non-finite."""
 
 
 def run(cfg: Config) -> dict:
@@ -131,7 +135,7 @@ def run(cfg: Config) -> dict:
                 stop = stop or result["reached_target"]
             if engine.rank == 0 and (stop or last_epoch or (finished_epoch and epoch % cfg.checkpoint_every == 0)):
                 _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch)
-    except Diverged:
+    except RunAborted:
         log.end(K.RUN_STOP, status=K.ABORTED)
         log.close()
         raise
@@ -216,13 +220,17 @@ def _check_finite(bad_steps: torch.Tensor, cfg: Config, step: int, out_dir: Path
 
 
 def _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch) -> None:
-    weights = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    if not bool(torch.isfinite(weights).all()):
+    norms = torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()]))
+    if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
         raise Diverged(f"weights are not finite at step {step}; stopped, last good checkpoint kept in {out_dir}; lower --lr")
     model = getattr(model, "module", model)
-    checkpoint.save(out_dir / "checkpoint.pt", {
-        "model": model.state_dict(), "optimizer": optimizer.state_dict(), "precision": precision.state_dict(),
-        "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "config": to_dict(cfg)})
+    try:
+        checkpoint.save(out_dir / "checkpoint.pt", {
+            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "precision": precision.state_dict(),
+            "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "config": to_dict(cfg)})
+    except OSError as err:
+        raise RunAborted(f"could not write {out_dir / 'checkpoint.pt'} at step {step} ({err.strerror or err}); "
+                         "the previous checkpoint is kept; free disk space and --resume") from err
 
 
 @torch.no_grad()
