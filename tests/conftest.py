@@ -37,3 +37,24 @@ def compliance(mllog: Path, cwd: Path) -> subprocess.CompletedProcess:
     """The real mlperf_logging compliance checker (it writes compliance_checker.log into cwd)."""
     return subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
                            "--ruleset", "4.0.0", str(mllog)], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+BIN = Path(sys.executable).parent
+
+
+def launch_command(engine: str, nproc: int, *args) -> list[str]:
+    """The real launcher's command line: torchrun, horovodrun (gloo) or a plain process."""
+    args = list(map(str, args))
+    if engine == "torch":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+                "--master-port", str(29400 + os.getpid() % 500), *args]
+    if engine == "horovod":
+        return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
+                sys.executable, *args]
+    assert nproc == 1
+    return [sys.executable, *args]
+
+
+def launch(engine: str, nproc: int, *args, cwd, timeout=600) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_command(engine, nproc, *args), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})

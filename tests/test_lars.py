@@ -117,3 +117,17 @@ def test_state_dict_round_trip_continues_identically():
         m(x).sum().backward(); o.step()
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
+
+
+def test_channels_last_weight_with_contiguous_gradient():
+    # Horovod hands back contiguous gradients for channels_last weights; the update must not mix layouts
+    torch.manual_seed(3)
+    w = torch.randn(8, 4, 3, 3)
+    p_cl = torch.nn.Parameter(w.clone().contiguous(memory_format=torch.channels_last))
+    p_ref = torch.nn.Parameter(w.clone())
+    opt_cl, opt_ref = (LARS([p], lr=1.0, momentum=0.9, weight_decay=1e-4) for p in (p_cl, p_ref))
+    for _ in range(2):
+        g = torch.randn(8, 4, 3, 3)
+        p_cl.grad, p_ref.grad = g.clone(), g.clone()  # contiguous gradient for the channels_last weight
+        opt_cl.step(); opt_ref.step()
+    torch.testing.assert_close(p_cl.detach(), p_ref.detach(), rtol=0, atol=1e-7)

@@ -3,7 +3,7 @@ import sys
 
 from data import DataError
 from train.config import UsageError, parse
-from train.loop import RunAborted, run
+from train.loop import Preempted, RunAborted, run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -15,6 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunAborted as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    except Preempted as err:
+        print(err, file=sys.stderr)
+        return 75  # EX_TEMPFAIL: try again (a requeued job resumes)
     return 0
 
 

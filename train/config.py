@@ -53,7 +53,12 @@ class Config:
     eval_offset: int = field(default=0, metadata={"help": "evaluate after epoch e when (e + offset) %% eval_every == 0"})
     target_accuracy: float = field(default=0.0, metadata={"help": "stop once top-1 reaches this (0: run all epochs)"})
     # run
-    engine: str = field(default="auto", metadata={"help": "auto | none (distributed engines plug in here)"})
+    engine: str = field(default="auto", metadata={"help": "auto (from the launcher's environment) | none | torch | horovod"})
+    allreduce: str = field(default="flat", metadata={"help": "flat | hierarchical (reduce-scatter in the node, all-reduce across nodes, all-gather)"})
+    ranks_per_node: int = field(default=0, metadata={"help": "node size for --allreduce hierarchical (0: ranks sharing a host name)"})
+    fp16_allreduce: bool = field(default=False, metadata={"help": "send gradients as fp16 (Horovod fp16 compression / DDP fp16 hook)"})
+    bn_span: int = field(default=1, metadata={"help": "BatchNorm statistics over groups of this many consecutive ranks"})
+    stop_check_every: int = field(default=10, metadata={"help": "steps between the ranks' agreement on a preemption signal"})
     out_dir: str = field(default="", metadata={"help": "run directory (default: runs/<preset>-<time>)"})
     seed: int = field(default=0)
     max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})
@@ -68,6 +73,7 @@ class Config:
 
 
 FIELDS = {f.name: f for f in fields(Config)}
+PREEMPTED_MARKER = "PREEMPTED"  # written beside checkpoint.pt when a signal stopped the run
 
 
 def preset_names() -> list[str]:
@@ -136,6 +142,9 @@ def parse(argv: list[str]) -> Config:
     if preset:
         values.update(load_yaml_overrides(str(resolve_preset(preset)), "preset"))
         values["preset"] = preset
+    out_dir = flags.get("out_dir")
+    if out_dir and (Path(out_dir) / PREEMPTED_MARKER).exists():
+        flags["resume"] = True  # a preempted run continues by itself when started again
     if flags.get("resume"):
         out_dir = flags.get("out_dir")
         if not out_dir:
@@ -160,6 +169,10 @@ def validate(cfg: Config) -> Config:
     need(cfg.loader in ("torch", "synthetic"), f"unknown --loader {cfg.loader!r}; choose torch or synthetic")
     need(cfg.optimizer in ("lars", "sgd"), f"unknown --optimizer {cfg.optimizer!r}; choose lars or sgd")
     need(cfg.precision in ("auto", "fp32", "bf16", "fp16"), f"unknown --precision {cfg.precision!r}; choose fp32, bf16, fp16 or auto")
+    need(cfg.engine in ("auto", "none", "torch", "horovod"), f"unknown --engine {cfg.engine!r}; choose auto, none, torch or horovod")
+    need(cfg.allreduce in ("flat", "hierarchical"), f"unknown --allreduce {cfg.allreduce!r}; choose flat or hierarchical")
+    need(cfg.bn_span >= 1 and cfg.ranks_per_node >= 0 and cfg.stop_check_every >= 1,
+         "--bn-span and --stop-check-every must be at least 1, --ranks-per-node at least 0")
     need(cfg.division in ("open", "closed"), f"unknown --division {cfg.division!r}; choose open or closed")
     need(0 < cfg.crop_min_scale <= 1, f"--crop-min-scale must be in (0, 1], got {cfg.crop_min_scale}")
     need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")

@@ -1,29 +1,59 @@
-"""Engines: who the ranks are and how they talk. The loop sees only this interface.
+"""Engines: who the ranks are and how they talk. The loop sees only this interface:
 
-    rank, world_size, local_rank, device
-    wrap(model, optimizer) -> (model, optimizer)   gradient averaging, initial broadcast
-    all_reduce_sum(tensor) -> tensor               metrics, at logging points only
+    rank, world_size, local_rank, local_size, device
+    broadcast_object(obj) -> obj              rank 0's value, on every rank
+    sync_batchnorm(model, span) -> model      BN statistics over groups of `span` consecutive ranks
+    wrap(model, optimizer) -> (model, optimizer)
+                                              gradients averaged (overlapped with backward),
+                                              parameters and optimizer state broadcast from rank 0
+    all_reduce_sum(tensor) -> tensor          metrics, at logging points only
+    any(flag) -> bool                         host-side agreement (preemption), no device sync
     barrier(), shutdown()
 
-This file holds the single-process engine; the distributed ones plug in beside it.
+`none` is one process; `torch` is torch.distributed (DDP; launched by torchrun or Slurm's srun);
+`horovod` is Horovod (horovodrun, or mpirun). `auto` picks one from the launcher's environment.
 """
+import contextlib
+import datetime
+import os
+import socket
+
 import torch
 
+from models.batchnorm import convert_batchnorm
 from train.config import UsageError
+
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("TRAINER_COLLECTIVE_TIMEOUT_S", "300")))
+
+
+def _device(local_rank: int) -> torch.device:
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 class SingleProcess:
     name = "none"
-    rank, world_size, local_rank, local_size = 0, 1, 0, 1
 
-    def __init__(self):
-        self.device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
+    def __init__(self, cfg):
+        self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
+        self.device = _device(0)
+
+    def sync_batchnorm(self, model, span: int):
+        return model
 
     def wrap(self, model, optimizer):
         return model, optimizer
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def broadcast_object(self, obj):
+        return obj
 
     def barrier(self) -> None:
         pass
@@ -32,12 +62,294 @@ class SingleProcess:
         pass
 
 
-ENGINES = {"none": SingleProcess}
+class _Topology:
+    """Node layout: consecutive ranks share a node. ranks_per_node 0 = measured from host names."""
+
+    def _layout(self, cfg, hostnames: list[str]) -> None:
+        if cfg.ranks_per_node:
+            self.local_size = cfg.ranks_per_node
+        else:
+            self.local_size = hostnames.count(hostnames[self.rank])
+        if self.world_size % self.local_size:
+            raise UsageError(f"{self.world_size} ranks do not split into nodes of {self.local_size}; "
+                             "set --ranks-per-node to a divisor of the rank count")
+        self.node = self.rank // self.local_size
+        self.local_rank = self.rank % self.local_size
+        self.nodes = self.world_size // self.local_size
+        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
+            # ranks sharing a host share its cores; oversubscribed threads cost more than they give
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // hostnames.count(hostnames[self.rank])))
+
+    def _bn_groups(self, span: int) -> list[list[int]]:
+        if span < 1 or self.world_size % span:
+            raise UsageError(f"--bn-span {span} must divide the {self.world_size} ranks")
+        return [list(range(start, start + span)) for start in range(0, self.world_size, span)]
 
 
-def create(name: str):
-    if name == "auto":
-        name = "none"
+class TorchDistributed(_Topology):
+    """torch.distributed: NCCL on GPUs, gloo on CPUs; DDP with gradient bucketing."""
+    name = "torch"
+
+    def __init__(self, cfg):
+        import torch.distributed as dist
+        self.dist, self.cfg = dist, cfg
+        env = os.environ
+        if "RANK" in env:  # torchrun
+            self.rank, self.world_size, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
+        elif "SLURM_PROCID" in env:  # srun
+            self.rank, self.world_size = int(env["SLURM_PROCID"]), int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1)))
+            local_rank = int(env.get("SLURM_LOCALID", 0))
+            env.setdefault("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
+            env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
+        else:
+            raise UsageError("--engine torch needs a launcher: torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID)")
+        self.device = _device(local_rank)
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT,
+                                device_id=self.device if backend == "nccl" else None)
+        # host-side control messages (stop flags) travel over gloo: no GPU sync
+        self.control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else None
+        hostnames = [None] * self.world_size
+        dist.all_gather_object(hostnames, socket.gethostname(), group=self.control)
+        self._layout(cfg, hostnames)
+        # every rank creates every group, in the same order (a torch.distributed rule)
+        self.intra = self.inter = None
+        for node in range(self.nodes):
+            group = dist.new_group(list(range(node * self.local_size, (node + 1) * self.local_size)))
+            if node == self.node:
+                self.intra = group
+        for local in range(self.local_size):
+            group = dist.new_group(list(range(local, self.world_size, self.local_size)))
+            if local == self.local_rank:
+                self.inter = group
+
+    def sync_batchnorm(self, model, span: int):
+        if span == 1:
+            return model
+        import torch.distributed._functional_collectives as functional  # differentiable: backward sums too
+        mine = None
+        for ranks in self._bn_groups(span):
+            group = self.dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return convert_batchnorm(model, lambda t: functional.all_reduce(t, "sum", mine), span)
+
+    def wrap(self, model, optimizer):
+        from torch.nn.parallel import DistributedDataParallel
+        # DDP broadcasts rank 0's parameters and buffers at construction
+        ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                                      broadcast_buffers=False, gradient_as_bucket_view=True)
+        if self.cfg.allreduce == "hierarchical":
+            ddp.register_comm_hook(None, self._hierarchical_hook)
+        elif self.cfg.fp16_allreduce:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        state = [optimizer.state_dict()]
+        self.dist.broadcast_object_list(state, src=0, group=self.control)
+        optimizer.load_state_dict(state[0])
+        return ddp, optimizer
+
+    def _hierarchical_hook(self, _state, bucket):
+        """Two-level all-reduce of one gradient bucket: reduce-scatter inside the node, all-reduce of
+        each shard among the ranks holding the same shard on other nodes, all-gather inside the node."""
+        flat = bucket.buffer()
+        wire = flat.to(torch.float16) if self.cfg.fp16_allreduce else flat
+        padded = torch.nn.functional.pad(wire, (0, (-wire.numel()) % self.local_size))
+        shard = torch.empty(padded.numel() // self.local_size, dtype=padded.dtype, device=padded.device)
+        reduce_scatter = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
+        all_gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        reduce_scatter(shard, padded, group=self.intra)
+        if self.nodes > 1:
+            self.dist.all_reduce(shard, group=self.inter)
+        all_gather(padded, shard, group=self.intra)
+        flat.copy_(padded[:flat.numel()]).div_(self.world_size)
+        future = torch.futures.Future()
+        future.set_result(flat)
+        return future
+
+    def all_reduce_sum(self, tensor):
+        self.dist.all_reduce(tensor)
+        return tensor
+
+    def any(self, flag: bool) -> bool:
+        t = torch.tensor([int(flag)])
+        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.control)
+        return bool(t.item())
+
+    def broadcast_object(self, obj):
+        box = [obj]
+        self.dist.broadcast_object_list(box, src=0, group=self.control)
+        return box[0]
+
+    def barrier(self):
+        self.dist.barrier(group=self.control)
+
+    def shutdown(self):
+        self.dist.destroy_process_group()
+
+
+class Horovod(_Topology):
+    """Horovod: DistributedOptimizer (gradient all-reduce overlapped with backward), gloo/MPI/NCCL."""
+    name = "horovod"
+
+    def __init__(self, cfg):
+        try:
+            import horovod.torch as hvd
+        except ImportError as err:
+            raise UsageError(f"--engine horovod needs Horovod with PyTorch support ({err}); run scripts/install_horovod.sh")
+        self.hvd, self.cfg = hvd, cfg
+        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")  # BN groups and node sets are added after init
+        hvd.init()
+        self.rank, self.world_size = hvd.rank(), hvd.size()
+        self.device = _device(hvd.local_rank())
+        hostnames = hvd.allgather_object(socket.gethostname())
+        self._layout(cfg, hostnames)
+        self._process_sets = {}
+
+    def _process_set(self, ranks: list[int]):
+        """Process sets are added collectively by every rank, once each."""
+        key = tuple(ranks)
+        if len(key) == self.world_size:
+            return self.hvd.global_process_set
+        if key not in self._process_sets:
+            self._process_sets[key] = self.hvd.add_process_set(list(ranks))
+        return self._process_sets[key]
+
+    def sync_batchnorm(self, model, span: int):
+        if span == 1:
+            return model
+        groups = [self._process_set(ranks) for ranks in self._bn_groups(span)]
+        mine = groups[self.rank // span]
+        hvd = self.hvd
+        return convert_batchnorm(model, lambda t: hvd.allreduce(t, op=hvd.Sum, process_set=mine), span)
+
+    def wrap(self, model, optimizer):
+        hvd = self.hvd
+        self._broadcast_tensors(model.state_dict())
+        # as an object: hvd.broadcast_optimizer_state would take a zero-gradient step, and LARS's
+        # weight decay would then move the weights
+        optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
+        if self.cfg.allreduce == "hierarchical":
+            return model, HierarchicalHorovodOptimizer(optimizer, self)
+        compression = _contiguous(hvd.Compression.fp16 if self.cfg.fp16_allreduce else hvd.Compression.none)
+        return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+                                               compression=compression, op=hvd.Average)
+
+    def _broadcast_tensors(self, tensors: dict) -> None:
+        """Rank 0's values into every rank's tensors; Horovod wants contiguous buffers (not channels_last)."""
+        pending = []
+        for name, t in tensors.items():
+            buffer = t.contiguous()
+            pending.append((t, buffer, self.hvd.broadcast_async_(buffer, root_rank=0, name=f"broadcast.{name}")))
+        for t, buffer, handle in pending:
+            self.hvd.synchronize(handle)
+            if buffer is not t:
+                t.copy_(buffer)
+
+    def all_reduce_sum(self, tensor):
+        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="metrics")
+
+    def any(self, flag: bool) -> bool:
+        return bool(self.hvd.allreduce(torch.tensor([int(flag)]), op=self.hvd.Max, name="stop_flag").item())
+
+    def broadcast_object(self, obj):
+        return self.hvd.broadcast_object(obj, root_rank=0)
+
+    def barrier(self):
+        self.hvd.barrier()
+
+    def shutdown(self):
+        self.hvd.shutdown()
+
+
+def _contiguous(compression):
+    """A Horovod compressor that first makes gradients contiguous: channels_last weights have
+    channels_last gradients, and Horovod's collectives take contiguous tensors only."""
+    class Contiguous:
+        @staticmethod
+        def compress(tensor):
+            channels_last = tensor.dim() == 4 and not tensor.is_contiguous()
+            compressed, ctx = compression.compress(tensor.contiguous())
+            return compressed, (ctx, channels_last)
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            inner, channels_last = ctx
+            tensor = compression.decompress(tensor, inner)
+            # back to the parameter's layout, which fused optimizer kernels assume
+            return tensor.contiguous(memory_format=torch.channels_last) if channels_last else tensor
+    return Contiguous
+
+
+_HIERARCHICAL_CHUNK = 1 << 22  # elements per two-level all-reduce message
+
+
+class HierarchicalHorovodOptimizer:
+    """Wraps an optimizer: before step(), gradients are averaged in two levels over process sets
+    (reduce-scatter in the node, all-reduce across nodes per local rank, all-gather in the node).
+    Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE needs MPI + NCCL; this works on gloo too."""
+
+    def __init__(self, optimizer, engine: Horovod):
+        self.optimizer, self.engine = optimizer, engine
+        hvd, e = engine.hvd, engine
+        intra = [e._process_set(list(range(n * e.local_size, (n + 1) * e.local_size))) for n in range(e.nodes)]
+        inter = [e._process_set(list(range(r, e.world_size, e.local_size))) for r in range(e.local_size)]
+        self.intra, self.inter, self.hvd = intra[e.node], inter[e.local_rank], hvd
+        self._skip_synchronize = False
+
+    def __getattr__(self, name):  # param_groups, state, state_dict(), zero_grad(), ...
+        return getattr(self.optimizer, name)
+
+    def step(self, closure=None):
+        if not self._skip_synchronize:
+            self.synchronize()
+        return self.optimizer.step(closure)
+
+    @contextlib.contextmanager
+    def skip_synchronize(self):
+        """As Horovod's DistributedOptimizer: step() without averaging again (fp16 loss scaling)."""
+        self._skip_synchronize = True
+        try:
+            yield
+        finally:
+            self._skip_synchronize = False
+
+    def synchronize(self) -> None:
+        """Average the gradients over all ranks, in place."""
+        e, hvd = self.engine, self.hvd
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        wire = flat.to(torch.float16) if e.cfg.fp16_allreduce else flat
+        pieces = []
+        for i, chunk in enumerate(wire.split(_HIERARCHICAL_CHUNK)):  # bounded messages
+            padded = torch.nn.functional.pad(chunk, (0, (-chunk.numel()) % e.local_size))
+            shard = hvd.reducescatter(padded, op=hvd.Sum, process_set=self.intra, name=f"hier.rs.{i}")
+            if e.nodes > 1:
+                shard = hvd.allreduce(shard, op=hvd.Sum, process_set=self.inter, name=f"hier.ar.{i}")
+            pieces.append(hvd.allgather(shard, process_set=self.intra, name=f"hier.ag.{i}")[:chunk.numel()])
+        whole = torch.cat(pieces).to(flat.dtype).div_(e.world_size)
+        offset = 0
+        for g in grads:
+            g.copy_(whole[offset:offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+
+def detect(env=os.environ) -> str:
+    """The engine a launcher asks for: Horovod's variables, torchrun's, or an srun step's."""
+    if "HOROVOD_RANK" in env or "HOROVOD_HOSTNAME" in env:
+        return "horovod"
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torch"
+    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env:
+        return "torch"
+    return "none"
+
+
+ENGINES = {"none": SingleProcess, "torch": TorchDistributed, "horovod": Horovod}
+
+
+def create(cfg):
+    name = detect() if cfg.engine == "auto" else cfg.engine
     if name not in ENGINES:
-        raise UsageError(f"unknown --engine {name!r}; choose one of auto, {', '.join(ENGINES)}")
-    return ENGINES[name]()
+        raise UsageError(f"unknown --engine {name!r}; choose auto, {', '.join(ENGINES)}")
+    return ENGINES[name](cfg)

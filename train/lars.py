@@ -19,7 +19,7 @@ import torch
 
 
 class LARS(torch.optim.Optimizer):
-    def __init__(self, params, lr: float, momentum: float = 0.9, weight_decay: float = 0.0,
+    def __init__(self, params, lr: float = 0.1, momentum: float = 0.9, weight_decay: float = 0.0,
                  eta: float = 0.001, epsilon: float = 0.0):
         if lr < 0 or momentum < 0 or weight_decay < 0 or eta < 0 or epsilon < 0:
             raise ValueError("LARS hyperparameters must be non-negative")
@@ -82,7 +82,10 @@ def _momentum_step(params, updates, buffers, momentum: float) -> None:
     if momentum == 0:
         torch._foreach_copy_(buffers, updates)
         torch._foreach_sub_(params, updates)
-    elif hasattr(torch, "_fused_sgd_"):  # one pass over params, updates and buffers
+    elif hasattr(torch, "_fused_sgd_") and all(p.stride() == u.stride() == b.stride()
+                                               for p, u, b in zip(params, updates, buffers)):
+        # one pass over params, updates and buffers; the fused kernel walks raw memory, so only
+        # when all three share a layout (a channels_last weight with a contiguous grad would not)
         torch._fused_sgd_(params, updates, buffers, weight_decay=0.0, momentum=momentum, lr=1.0, dampening=0.0,
                           nesterov=False, maximize=False, is_first_step=False)
     else:

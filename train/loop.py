@@ -5,6 +5,7 @@ epoch ends and evaluations.
 """
 import dataclasses
 import platform
+import signal
 import time
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from data import build_loader
 from data.embedded import ensure_embedded
 from models import build_model
 from train import checkpoint, engines
-from train.config import Config, UsageError, to_dict
+from train.config import PREEMPTED_MARKER, Config, UsageError, to_dict
 from train.lars import LARS, lars_param_groups
 from train.precision import Precision
 from train.runlog import RunLog, progress
@@ -33,15 +34,34 @@ class Diverged(RunAborted):
     """The loss stayed non-finite."""
 
 
+class Preempted(Exception):
+    """SIGUSR1/SIGTERM arrived: the checkpoint is written and the next start resumes by itself."""
+
+
+class StopSignal:
+    """Remembers a SIGUSR1 or SIGTERM (Slurm's warning before the time limit, a scheduler's stop)."""
+
+    def __init__(self):
+        self.raised = False
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+
+    def _handle(self, signum, frame):
+        self.raised = True
+
+    def restore(self):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def run(cfg: Config) -> dict:
     init_start_ms = int(time.time() * 1000)
-    engine = engines.create(cfg.engine)
+    engine = engines.create(cfg)
     device = engine.device
     precision = Precision(cfg.precision, device)
     cfg = _per_rank_batch(cfg, engine.world_size)
     data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader == "torch" else "")
     loader = build_loader(dataclasses.replace(cfg, data_dir=data_dir), engine.rank, engine.world_size, device)
-    out_dir = _prepare_out_dir(cfg, engine.rank == 0)  # after every check: bad input leaves no folder
+    out_dir = _prepare_out_dir(cfg, engine)  # after every check: bad input leaves no folder
     cfg = dataclasses.replace(cfg, out_dir=str(out_dir))
     log = RunLog(out_dir if engine.rank == 0 else None)
     if engine.rank == 0:
@@ -52,6 +72,7 @@ def run(cfg: Config) -> dict:
         torch.set_float32_matmul_precision("high")
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last).to(device)
+    model = engine.sync_batchnorm(model, cfg.bn_span)
     global_batch = cfg.batch_size * engine.world_size
     base_lr = cfg.lr_per_256 * global_batch / 256 if cfg.lr_per_256 else cfg.lr
     optimizer = _optimizer(cfg, model, base_lr)
@@ -68,6 +89,8 @@ def run(cfg: Config) -> dict:
         precision.load_state_dict(state["precision"])
         step, epoch, step_in_epoch = state["step"], state["epoch"], state["step_in_epoch"]
         log.print(f"resuming {out_dir} at step {step} (epoch {epoch + 1}, step {step_in_epoch} of the epoch)")
+        if engine.rank == 0:
+            (out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
     model, optimizer = engine.wrap(model, optimizer)
 
     _log_setup(log, cfg, engine, precision, loader, global_batch, base_lr, schedule, init_start_ms)
@@ -81,6 +104,7 @@ def run(cfg: Config) -> dict:
     result = {"top1": None, "top5": None, "reached_target": False, "evaluated_at_step": -1}
     bad_steps = torch.zeros((), dtype=torch.int64, device=device)  # consecutive non-finite losses
     stop = step >= cfg.max_steps > 0
+    stop_signal = StopSignal()
     try:
         while epoch < cfg.epochs and not stop:
             epoch_number = epoch + 1  # MLLOG counts epochs from 1
@@ -99,7 +123,7 @@ def run(cfg: Config) -> dict:
                 with precision.autocast():
                     loss = criterion(model(images), labels)
                 precision.backward_and_step(loss, optimizer)
-                optimizer.zero_grad(set_to_none=True)
+                optimizer.zero_grad()  # sets .grad to None (Horovod's wrapper takes no arguments)
                 loss = loss.detach().float()
                 bad_steps = torch.where(torch.isfinite(loss), 0, bad_steps + 1)
                 window.add(loss)
@@ -107,7 +131,7 @@ def run(cfg: Config) -> dict:
                 step, step_in_epoch = step + 1, step_in_epoch + 1
                 if step % cfg.log_every == 0:
                     mean_loss, seconds = window.mean(engine), window.seconds()  # host sync, then the clock
-                    _check_finite(bad_steps, cfg, step, out_dir)
+                    _check_finite(bad_steps, cfg, step, out_dir, engine)
                     log.metrics(kind="train", step=step, epoch=epoch + step_in_epoch / steps_per_epoch,
                                 images=step * global_batch, seconds=round(time.time() - run_start, 3),
                                 img_per_s=round(window.steps * global_batch / seconds, 2), loss=mean_loss, lr=lr)
@@ -115,8 +139,15 @@ def run(cfg: Config) -> dict:
                 if step == cfg.max_steps:
                     stop = True
                     break
+                if (engine.world_size == 1 or step % cfg.stop_check_every == 0) and engine.any(stop_signal.raised):
+                    _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine)
+                    if engine.rank == 0:
+                        (out_dir / PREEMPTED_MARKER).write_text(f"step {step}\n")
+                    engine.barrier()  # nobody exits (and gets the job torn down) before the checkpoint is on disk
+                    raise Preempted(f"preempted at step {step}: checkpoint written to {out_dir}; "
+                                    "start the same command again to continue")
             mean_loss, epoch_seconds = epoch_meter.mean(engine), epoch_meter.seconds()
-            _check_finite(bad_steps, cfg, step, out_dir)
+            _check_finite(bad_steps, cfg, step, out_dir, engine)
             finished_epoch = step_in_epoch == steps_per_epoch
             if finished_epoch:
                 log.end(K.EPOCH_STOP, epoch_num=epoch_number)
@@ -133,19 +164,20 @@ def run(cfg: Config) -> dict:
                 _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, step, global_batch,
                                   run_start, result)
                 stop = stop or result["reached_target"]
-            if engine.rank == 0 and (stop or last_epoch or (finished_epoch and epoch % cfg.checkpoint_every == 0)):
-                _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch)
+            if stop or last_epoch or (finished_epoch and epoch % cfg.checkpoint_every == 0):
+                _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine)
     except RunAborted:
         log.end(K.RUN_STOP, status=K.ABORTED)
-        log.close()
         raise
+    finally:
+        stop_signal.restore()
+        log.close()
 
     status = K.SUCCESS if (result["reached_target"] or not cfg.target_accuracy) else K.ABORTED
     log.end(K.RUN_STOP, status=status)
     total_seconds = time.time() - run_start
     log.print(f"done: {step} steps, {step * global_batch} images in {total_seconds:.1f} s; top-1 "
               f"{result['top1'] if result['top1'] is None else round(result['top1'], 4)}; run directory {out_dir}")
-    log.close()
     engine.shutdown()
     return {**result, "steps": step, "images": step * global_batch, "seconds": total_seconds, "out_dir": str(out_dir)}
 
@@ -177,14 +209,21 @@ def _per_rank_batch(cfg: Config, world_size: int) -> Config:
     return dataclasses.replace(cfg, batch_size=cfg.global_batch_size // world_size)
 
 
-def _prepare_out_dir(cfg: Config, is_writer: bool) -> Path:
-    out_dir = Path(cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}")
-    if cfg.resume:
-        if not (out_dir / "checkpoint.pt").is_file():
-            raise UsageError(f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume")
-    elif any((out_dir / name).exists() for name in RUN_FILES):
-        raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
-    if is_writer:
+def _prepare_out_dir(cfg: Config, engine) -> Path:
+    """Rank 0 checks and creates the run directory; every rank learns whether that worked."""
+    out_dir = cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+    problem = None
+    if engine.world_size > 1:  # the same name on every rank, whatever each one's clock says
+        out_dir = engine.broadcast_object(out_dir)
+    out_dir = Path(out_dir)
+    if engine.rank == 0:
+        if cfg.resume and not (out_dir / "checkpoint.pt").is_file():
+            problem = f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume"
+        elif not cfg.resume and any((out_dir / name).exists() for name in RUN_FILES):
+            problem = f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir"
+    if engine.any(problem is not None):
+        raise UsageError(problem or f"rank 0 refused --out-dir {out_dir}")
+    if engine.rank == 0:
         out_dir.mkdir(parents=True, exist_ok=True)
     return out_dir
 
@@ -213,16 +252,21 @@ def _first_of_block(cfg: Config, epoch_number: int) -> bool:
     return epoch_number == 1 or _eval_due(cfg, epoch_number - 1) or not cfg.eval_every
 
 
-def _check_finite(bad_steps: torch.Tensor, cfg: Config, step: int, out_dir: Path) -> None:
-    if bad_steps.item() >= cfg.max_bad_steps:
-        raise Diverged(f"loss was not finite for {bad_steps.item()} consecutive steps (at step {step}); "
+def _check_finite(bad_steps: torch.Tensor, cfg: Config, step: int, out_dir: Path, engine) -> None:
+    """Summed over ranks, so that every rank takes the same decision."""
+    streak = int(engine.all_reduce_sum(bad_steps.clone()).item())
+    if streak >= cfg.max_bad_steps:
+        raise Diverged(f"loss was not finite for {streak} consecutive steps (at step {step}); "
                        f"stopped, last good checkpoint kept in {out_dir}; lower --lr")
 
 
-def _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch) -> None:
+def _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine) -> None:
+    """Rank 0 writes; every rank checks its weights (they are the same) so all stop together."""
     norms = torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()]))
     if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
         raise Diverged(f"weights are not finite at step {step}; stopped, last good checkpoint kept in {out_dir}; lower --lr")
+    if engine.rank != 0:
+        return
     model = getattr(model, "module", model)
     try:
         checkpoint.save(out_dir / "checkpoint.pt", {
@@ -283,7 +327,7 @@ def _log_setup(log, cfg, engine, precision, loader, global_batch, base_lr, sched
         (K.CACHE_CLEAR, True), (K.SEED, cfg.seed),
         (K.GLOBAL_BATCH_SIZE, global_batch), (K.GRADIENT_ACCUMULATION_STEPS, 1),
         (K.TRAIN_SAMPLES, loader.train_images), (K.EVAL_SAMPLES, loader.val_images),
-        (K.MODEL_BN_SPAN, cfg.batch_size), (K.OPT_NAME, cfg.optimizer),
+        (K.MODEL_BN_SPAN, cfg.batch_size * cfg.bn_span), (K.OPT_NAME, cfg.optimizer),
     ]:
         log.event(key, value)
     prefix = "lars_opt" if cfg.optimizer == "lars" else "sgd_opt"

@@ -36,6 +36,13 @@ class Precision:
         if self.scaler is None:
             loss.backward()
             optimizer.step()
+        elif hasattr(optimizer, "synchronize"):  # Horovod: reduce first, so every rank sees the same inf/NaN
+            self.scaler.scale(loss).backward()
+            optimizer.synchronize()
+            self.scaler.unscale_(optimizer)
+            with optimizer.skip_synchronize():
+                self.scaler.step(optimizer)
+            self.scaler.update()
         else:
             self.scaler.scale(loss).backward()
             self.scaler.step(optimizer)  # skipped when the scaled gradients hold inf/NaN

@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# Builds and installs Horovod 0.28.1 with PyTorch support from its PyPI sdist, patched to C++20
+# (torch >= 2.13 headers need it; Horovod hard-codes C++14). Idempotent: does nothing when
+# `import horovod.torch` already works. The built wheel is cached per (python, torch) so a rebuild
+# on the same machine is a copy.
+#
+# Defaults: gloo always; MPI when mpicxx is on PATH; NCCL GPU operations when a GPU is visible or
+# HOROVOD_GPU_OPERATIONS=NCCL is set (the Dockerfile sets it: image builds see no GPU).
+# Environment: PYTHON (default .venv/bin/python), HOROVOD_* build variables are respected.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-.venv/bin/python}
+VERSION=0.28.1
+
+if "$PY" -c "import horovod.torch" 2>/dev/null; then
+    exit 0
+fi
+
+export HOROVOD_WITH_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_TENSORFLOW=1 HOROVOD_WITHOUT_MXNET=1
+if [ -z "${HOROVOD_WITH_MPI:-}${HOROVOD_WITHOUT_MPI:-}" ]; then
+    if command -v mpicxx >/dev/null; then export HOROVOD_WITH_MPI=1; else export HOROVOD_WITHOUT_MPI=1; fi
+fi
+if [ -z "${HOROVOD_GPU_OPERATIONS:-}" ] && command -v nvidia-smi >/dev/null && nvidia-smi -L >/dev/null 2>&1; then
+    export HOROVOD_GPU_OPERATIONS=NCCL
+fi
+# A CUDA build of torch makes Horovod's CMake look for the CUDA toolkit; point it there and
+# compile its few kernels only for the arches asked for (V100 = 70 needs a CUDA 12 toolkit).
+if [ -z "${CUDA_HOME:-}" ] && [ -d /usr/local/cuda ]; then export CUDA_HOME=/usr/local/cuda; fi
+if [ -n "${CUDA_HOME:-}" ]; then
+    export HOROVOD_CUDA_HOME=${HOROVOD_CUDA_HOME:-$CUDA_HOME} PATH="$CUDA_HOME/bin:$PATH"
+    export HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-80,90}
+fi
+export MAKEFLAGS="-j$(nproc)" HOROVOD_BUILD_ARCH_FLAGS=${HOROVOD_BUILD_ARCH_FLAGS:-}
+
+key=$("$PY" -c "import sys, torch; print(f'py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}')" | tr '+' '_')
+flavour=$(env | grep -E '^HOROVOD_(WITH|WITHOUT|GPU|BUILD_CUDA)' | sort | sha1sum | cut -c1-8)
+cache="${TRAINER_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/resnet-trainer}/wheels/horovod-$VERSION-$key-$flavour"
+if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
+    work=$(mktemp -d)
+    trap 'rm -rf "$work"' EXIT
+    echo "install_horovod: building Horovod $VERSION ($key; a few minutes)" >&2
+    "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$VERSION" -d "$work"
+    tar -xzf "$work/horovod-$VERSION.tar.gz" -C "$work"
+    src="$work/horovod-$VERSION"
+    sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 20)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
+    sed -i 's/"-std=c++17" GLOO_CMAKE/"-std=c++20" GLOO_CMAKE/; s/set(CMAKE_CXX_STANDARD 17)\\n/set(CMAKE_CXX_STANDARD 20)\\n/' "$src/CMakeLists.txt"
+    grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt" || { echo "install_horovod: patch did not apply" >&2; exit 1; }
+    "$PY" -m pip install -q cmake 2>/dev/null || true  # a recent CMake if the system one is old
+    "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$work/wheel"
+    mkdir -p "$cache"
+    cp "$work"/wheel/horovod-*.whl "$cache/"
+fi
+"$PY" -m pip install -q --no-deps "$cache"/horovod-*.whl
+"$PY" -m pip install -q cffi cloudpickle psutil pyyaml packaging  # Horovod's and horovodrun's own needs
+"$PY" -c "import horovod.torch" || { echo "install_horovod: horovod.torch does not import after the build" >&2; exit 1; }
+echo "install_horovod: $("$PY" -c 'import horovod; print(horovod.__version__)') installed" >&2
