@@ -4,7 +4,7 @@
 # Figures go to ${OUT:-gpu_figures}/gpu_figures.txt. Budget: well under 8 minutes on an H200.
 # Uses the machine's python3 (its own torch); mlperf-logging is installed from .whl/ if missing.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 OUT=${OUT:-gpu_figures}
 mkdir -p "$OUT"

@@ -30,7 +30,8 @@ if [ -n "${CUDA_HOME:-}" ]; then
     export HOROVOD_CUDA_HOME=${HOROVOD_CUDA_HOME:-$CUDA_HOME} PATH="$CUDA_HOME/bin:$PATH"
     export HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-80,90}
 fi
-export MAKEFLAGS="-j$(nproc)" HOROVOD_BUILD_ARCH_FLAGS=${HOROVOD_BUILD_ARCH_FLAGS:-}
+MAKEFLAGS="-j$(nproc)"
+export MAKEFLAGS HOROVOD_BUILD_ARCH_FLAGS=${HOROVOD_BUILD_ARCH_FLAGS:-}
 
 key=$("$PY" -c "import sys, torch; print(f'py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}')" | tr '+' '_')
 flavour=$(env | grep -E '^HOROVOD_(WITH|WITHOUT|GPU|BUILD_CUDA)' | sort | sha1sum | cut -c1-8)

@@ -15,6 +15,7 @@
 """
 import contextlib
 import datetime
+import inspect
 import os
 import socket
 
@@ -137,8 +138,13 @@ class TorchDistributed(_Topology):
     def wrap(self, model, optimizer):
         from torch.nn.parallel import DistributedDataParallel
         # DDP broadcasts rank 0's parameters and buffers at construction
+        # no per-step broadcast of BN buffers: each rank keeps its own running statistics, as the
+        # single-process run would (DDP still copies rank 0's parameters and buffers at construction)
+        no_buffer_sync = ({"forward_sync_buffers": False}
+                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                          else {"broadcast_buffers": False})
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                      broadcast_buffers=False, gradient_as_bucket_view=True)
+                                      gradient_as_bucket_view=True, **no_buffer_sync)
         if self.cfg.allreduce == "hierarchical":
             ddp.register_comm_hook(None, self._hierarchical_hook)
         elif self.cfg.fp16_allreduce:
