@@ -1,26 +1,47 @@
 #!/usr/bin/env bash
-# Creates .venv with the pinned stack and the project installed in it, then Horovod (built from
-# source, a few minutes the first time; SKIP_HOROVOD=1 skips it). Idempotent: a second run only
-# checks a stamp and that Horovod imports. VENV=path picks another location, PYTHON=python3.x
-# another interpreter.
+# Installs everything the trainer and its tests need. Idempotent: a second run checks a stamp and
+# that Horovod imports, and returns.
+#
+#   bash scripts/setup.sh                 .venv with torch 2.14.1 + torchvision 0.29.1, DALI for
+#                                         CUDA 13, mlperf-logging, the project (editable), Horovod
+# Settings (environment):
+#   VENV=path|none      where to install; none = into $PYTHON itself (a container's interpreter)
+#   PYTHON=python3.x    the interpreter that makes the venv, or is used with VENV=none
+#   TORCH=pinned|keep   keep = use the interpreter's own torch (NGC containers)
+#   DALI_PACKAGE=nvidia-dali-cuda130|nvidia-dali-cuda120|none
+#   SKIP_HOROVOD=1      no Horovod build (it takes a few minutes the first time)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
 PYTHON=${PYTHON:-python3}
+TORCH=${TORCH:-pinned}
+DALI_PACKAGE=${DALI_PACKAGE:-nvidia-dali-cuda130}
 TORCH_PINS=(torch==2.14.1 torchvision==0.29.1)
 
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-stamp="$VENV/.setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-16)"
-if [ ! -f "$stamp" ]; then
-    echo "setup: installing into $VENV (torch ${TORCH_PINS[*]}, mlperf-logging, project)" >&2
-    "$VENV/bin/python" -m pip install -q --upgrade pip
-    if ! "$VENV/bin/python" -c "import torch, torchvision, sys; sys.exit(torch.__version__.split('+')[0] != '2.14.1')" 2>/dev/null; then
-        "$VENV/bin/python" -m pip install -q "${TORCH_PINS[@]}"
+if [ "$VENV" = none ]; then
+    py=$PYTHON
+    stamp=""
+else
+    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+    py="$VENV/bin/python"
+    stamp="$VENV/.setup-$(cat pyproject.toml scripts/setup.sh | sha1sum | cut -c1-16)-$TORCH-$DALI_PACKAGE"
+fi
+
+if [ -z "$stamp" ] || [ ! -f "$stamp" ]; then
+    echo "setup: installing into ${VENV/#none/$py} (torch: $TORCH, DALI: $DALI_PACKAGE, mlperf-logging, project)" >&2
+    "$py" -m pip install -q --upgrade pip
+    if [ "$TORCH" = pinned ] && ! "$py" -c "import torch, torchvision, sys; sys.exit(torch.__version__.split('+')[0] != '2.14.1')" 2>/dev/null; then
+        "$py" -m pip install -q "${TORCH_PINS[@]}"
     fi
-    "$VENV/bin/python" -m pip install -q -e '.[test]'
-    rm -f "$VENV"/.setup-*
-    touch "$stamp"
+    if [ "$DALI_PACKAGE" != none ]; then
+        "$py" -m pip install -q "$DALI_PACKAGE"
+    fi
+    "$py" -m pip install -q -e '.[test]'
+    if [ -n "$stamp" ]; then
+        rm -f "$VENV"/.setup-*
+        touch "$stamp"
+    fi
 fi
 if [ -z "${SKIP_HOROVOD:-}" ]; then
-    PYTHON="$VENV/bin/python" bash scripts/install_horovod.sh
+    PYTHON="$py" bash scripts/install_horovod.sh
 fi
