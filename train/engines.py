@@ -205,6 +205,10 @@ class Horovod(_Topology):
             raise UsageError(f"--engine horovod needs Horovod with PyTorch support ({err}); run scripts/install_horovod.sh")
         self.hvd, self.cfg = hvd, cfg
         os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")  # BN groups and node sets are added after init
+        if not torch.cuda.is_available():
+            # Horovod's background thread wakes every cycle; on CPU-only hosts its default 1 ms cycle
+            # takes cycles from the compute threads (scripts/bench/scaling.py: 0.57 -> 0.8 efficiency)
+            os.environ.setdefault("HOROVOD_CYCLE_TIME", "20")
         hvd.init()
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.device = _device(hvd.local_rank())

@@ -1,0 +1,66 @@
+"""Weak-scaling efficiency on this machine: 2 ranks x 1 thread against 1 rank x 1 thread, the same
+per-rank batch, ResNet-50 at a small image size, synthetic data; for each engine, flat and
+hierarchical all-reduce. efficiency = (2-rank images/s) / (2 x 1-rank images/s).
+Runs the real launchers (torchrun, horovodrun). Last line: `scaling: MIN_FLAT (goal >= 0.90)`.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+
+
+def steady_images_per_s(run_dir: Path) -> float:
+    windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    windows = [w for w in windows if w["kind"] == "train"]
+    first, last = windows[0], windows[-1]  # the first window holds start-up
+    return (last["images"] - first["images"]) / (last["seconds"] - first["seconds"])
+
+
+def run(engine: str, nproc: int, allreduce: str, args, out: Path) -> float:
+    train = ["-m", "train", "--out-dir", str(out), "--engine", engine, "--loader", "synthetic", "--arch", args.arch,
+             "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--global-batch-size", "0",
+             "--synthetic-images", str(args.batch_size * nproc * (args.steps + 2)), "--max-steps", str(args.steps),
+             "--log-every", str(args.window), "--eval-every", "0", "--precision", "fp32",
+             "--allreduce", allreduce, "--ranks-per-node", "1"]
+    if engine == "torch":
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *train]
+    elif engine == "horovod":
+        command = [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo", sys.executable, *train]
+    else:
+        command = [sys.executable, *train]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    subprocess.run(command, env=env, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return steady_images_per_s(out)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="resnet50")
+    parser.add_argument("--image-size", type=int, default=64)
+    parser.add_argument("--batch-size", type=int, default=48, help="per rank")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--window", type=int, default=3, help="steps per logging window; the first is warm-up")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        single = run("none", 1, "flat", args, Path(tmp) / "single")
+        print(f"1 rank x 1 thread: {single:.1f} img/s")
+        flat = []
+        for engine in ("torch", "horovod"):
+            for allreduce in ("flat", "hierarchical"):
+                rate = run(engine, 2, allreduce, args, Path(tmp) / f"{engine}-{allreduce}")
+                efficiency = rate / (2 * single)
+                if allreduce == "flat":
+                    flat.append(efficiency)
+                print(f"2 ranks x 1 thread, {engine:7s} {allreduce:12s}: {rate:.1f} img/s, efficiency {efficiency:.3f}")
+    print(f"{args.arch} {args.image_size}px, batch {args.batch_size} per rank, {args.steps} steps")
+    print(f"scaling: {min(flat):.3f} (goal >= 0.90)")
+
+
+if __name__ == "__main__":
+    main()
