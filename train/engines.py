@@ -295,8 +295,11 @@ _HIERARCHICAL_CHUNK = 1 << 22  # elements per two-level all-reduce message
 
 
 class HierarchicalHorovodOptimizer:
-    """Wraps an optimizer: before step(), gradients are averaged in two levels over process sets
-    (reduce-scatter in the node, all-reduce across nodes per local rank, all-gather in the node).
+    """Wraps an optimizer: before step(), gradients are averaged in two levels over process sets:
+    summed inside the node, each local rank's shard all-reduced across nodes among the ranks with
+    the same local rank (inter-node traffic 1/ranks-per-node of the gradients), shards all-gathered
+    inside the node. The node sum is an all-reduce, not Horovod's reducescatter: on gloo with
+    process sets, 0.28.1's reducescatter returned wrong shards now and then (tests caught it).
     Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE needs MPI + NCCL; this works on gloo too."""
 
     def __init__(self, optimizer, engine: Horovod):
@@ -333,10 +336,12 @@ class HierarchicalHorovodOptimizer:
         pieces = []
         for i, chunk in enumerate(wire.split(_HIERARCHICAL_CHUNK)):  # bounded messages
             padded = torch.nn.functional.pad(chunk, (0, (-chunk.numel()) % e.local_size))
-            shard = hvd.reducescatter(padded, op=hvd.Sum, process_set=self.intra, name=f"hier.rs.{i}")
+            # names unique per process set: Horovod matches operations across sets by name
+            node_sum = hvd.allreduce(padded, op=hvd.Sum, process_set=self.intra, name=f"hier.sum.n{e.node}.{i}")
+            shard = node_sum.view(e.local_size, -1)[e.local_rank].clone()
             if e.nodes > 1:
-                shard = hvd.allreduce(shard, op=hvd.Sum, process_set=self.inter, name=f"hier.ar.{i}")
-            pieces.append(hvd.allgather(shard, process_set=self.intra, name=f"hier.ag.{i}")[:chunk.numel()])
+                shard = hvd.allreduce(shard, op=hvd.Sum, process_set=self.inter, name=f"hier.ar.l{e.local_rank}.{i}")
+            pieces.append(hvd.allgather(shard, process_set=self.intra, name=f"hier.ag.n{e.node}.{i}")[:chunk.numel()])
         whole = torch.cat(pieces).to(flat.dtype).div_(e.world_size)
         offset = 0
         for g in grads:
