@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 import torchvision
+from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2 as T
 
@@ -21,6 +22,19 @@ EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre
 
 class DataError(ValueError):
     """The data given cannot be used; the message says what to do."""
+
+
+class BadImage(Exception):
+    """A file that is no readable image (zero bytes, truncated, not an image at all)."""
+
+
+def load_rgb(path: str) -> Image.Image:
+    """Any image PIL can read (JPEG, a PNG under a .JPEG name, CMYK, grayscale, palette) as RGB."""
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
+        raise BadImage(f"{path} ({type(err).__name__})") from err
 
 
 def _classes(split_dir: Path) -> list[str]:
@@ -50,27 +64,75 @@ def check_tree(data_dir: str) -> list[str]:
     return train_classes
 
 
-class _SeededImageFolder(torchvision.datasets.ImageFolder):
-    """ImageFolder whose training items are keyed by (index, augmentation seed).
+class _TrainFolder(torchvision.datasets.ImageFolder):
+    """ImageFolder whose items are keyed by (index, augmentation seed).
 
     Seeding torch's RNG per sample makes augmentation independent of worker count and
     scheduling, which is what lets a resumed run repeat an uninterrupted one bit for bit.
+    An unreadable file is skipped and reported, and the next readable file (with its own label)
+    takes its place, so every rank's batch keeps its size and no label shifts.
     """
 
+    def __init__(self, root, transform):
+        super().__init__(root, transform=transform, loader=load_rgb, allow_empty=True)
+
     def __getitem__(self, key):
-        if isinstance(key, tuple):
-            index, seed = key
+        index, seed = key
+        skipped = []
+        for attempt in range(len(self.samples)):
+            path, label = self.samples[(index + attempt) % len(self.samples)]
+            try:
+                image = load_rgb(path)
+            except BadImage:
+                skipped.append(path)
+                continue
             torch.manual_seed(seed)
-            return super().__getitem__(index)
-        return super().__getitem__(key)
+            return self.transform(image), label, skipped
+        raise DataError(f"no readable image in {self.root}")
+
+
+class _EvalFolder(torchvision.datasets.ImageFolder):
+    """ImageFolder whose unreadable files come back as (None, label, path): counted, not evaluated."""
+
+    def __init__(self, root, transform):
+        super().__init__(root, transform=transform, loader=load_rgb, allow_empty=True)
+
+    def __getitem__(self, index):
+        path, label = self.samples[index]
+        try:
+            return self.transform(load_rgb(path)), label, []
+        except BadImage:
+            return None, label, [path]
+
+
+def _collate(items):
+    """(uint8 images, labels, paths skipped) from the readable items of a batch."""
+    good = [(image, label) for image, label, _ in items if image is not None]
+    skipped = [path for _, _, paths in items for path in paths]
+    if not good:
+        return None, None, skipped
+    return torch.stack([image for image, _ in good]), torch.tensor([label for _, label in good]), skipped
 
 
 class Loader:
-    """Sizes plus two iterators of device batches."""
+    """Sizes plus two iterators of device batches, and a tally of unreadable files skipped."""
+    empty_classes: list[str] = []
 
     def __init__(self, num_classes, train_images, val_images, steps_per_epoch):
         self.num_classes, self.train_images = num_classes, train_images
         self.val_images, self.steps_per_epoch = val_images, steps_per_epoch
+        self.skipped, self.skipped_examples = 0, []
+
+    def _note_skipped(self, paths) -> None:
+        self.skipped += len(paths)
+        room = max(0, 3 - len(self.skipped_examples))
+        self.skipped_examples += [p for p in paths if p not in self.skipped_examples][:room]
+
+    def take_skipped(self) -> tuple[int, list[str]]:
+        """Files skipped since the last call, and the first few of them by name."""
+        report = (self.skipped, self.skipped_examples)
+        self.skipped, self.skipped_examples = 0, []
+        return report
 
     def train_batches(self, epoch: int, start_step: int = 0):
         raise NotImplementedError
@@ -89,25 +151,30 @@ class TorchLoader(Loader):
                               T.RandomHorizontalFlip(), T.PILToTensor()])
         val_tf = T.Compose([T.Resize(round(size / EVAL_CROP_FRACTION), antialias=True),
                             T.CenterCrop(size), T.PILToTensor()])
-        self.train_set = _SeededImageFolder(str(root / "train"), transform=train_tf)
-        self.val_set = torchvision.datasets.ImageFolder(str(root / "val"), transform=val_tf)
+        self.train_set = _TrainFolder(str(root / "train"), transform=train_tf)
+        self.val_set = _EvalFolder(str(root / "val"), transform=val_tf)
         self.sampler = TrainBatchSampler(len(self.train_set), cfg.batch_size, rank, world_size, cfg.seed)
         if self.sampler.num_items < self.sampler.global_batch:
             raise DataError(f"{root / 'train'} has {self.sampler.num_items} images, fewer than one global batch "
                             f"of {self.sampler.global_batch}; lower --batch-size")
         super().__init__(len(classes), len(self.train_set), len(self.val_set),
                          self.sampler.num_items // self.sampler.global_batch)
+        counts = torch.bincount(torch.tensor(self.train_set.targets), minlength=len(classes))
+        self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
         self.device, self.channels_last = device, cfg.channels_last
         pin = device.type == "cuda"
         workers = dict(num_workers=cfg.workers, persistent_workers=cfg.workers > 0, pin_memory=pin)
-        self.train_loader = DataLoader(self.train_set, batch_sampler=self.sampler, **workers)
+        self.train_loader = DataLoader(self.train_set, batch_sampler=self.sampler, collate_fn=_collate, **workers)
         self.val_loader = DataLoader(self.val_set, batch_sampler=eval_batches(len(self.val_set), cfg.batch_size, rank, world_size),
-                                     **workers)
+                                     collate_fn=_collate, **workers)
         self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
         self.inv_std = 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
 
     def _on_device(self, batches):
-        for images, labels in batches:
+        for images, labels, skipped in batches:
+            self._note_skipped(skipped)
+            if images is None:
+                continue
             images = images.to(self.device, non_blocking=True).float().sub_(self.mean).mul_(self.inv_std)
             if self.channels_last:
                 images = images.contiguous(memory_format=torch.channels_last)

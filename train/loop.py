@@ -97,6 +97,10 @@ def run(cfg: Config) -> dict:
     log.print(f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
               f"{loader.train_images} train / {loader.val_images} val images | {engine.world_size} rank(s) x batch "
               f"{cfg.batch_size} | {cfg.optimizer} lr {base_lr:g} | {precision.name} on {device.type} | {out_dir}")
+    if loader.empty_classes:
+        log.print(f"warning: {len(loader.empty_classes)} class folder(s) hold no training images: "
+                  f"{', '.join(loader.empty_classes[:5])}")
+        log.metrics(kind="data", empty_classes=loader.empty_classes)
     log.end(K.INIT_STOP)
     log.start(K.RUN_START)
     run_start = time.time()
@@ -147,6 +151,7 @@ def run(cfg: Config) -> dict:
                     raise Preempted(f"preempted at step {step}: checkpoint written to {out_dir}; "
                                     "start the same command again to continue")
             mean_loss, epoch_seconds = epoch_meter.mean(engine), epoch_meter.seconds()
+            skipped = _report_skipped(loader, engine, log, "training")
             _check_finite(bad_steps, cfg, step, out_dir, engine)
             finished_epoch = step_in_epoch == steps_per_epoch
             if finished_epoch:
@@ -155,7 +160,8 @@ def run(cfg: Config) -> dict:
             img_per_s = epoch_meter.steps * global_batch / epoch_seconds
             log.metrics(kind="epoch", step=step, epoch=epoch if finished_epoch else epoch + step_in_epoch / steps_per_epoch,
                         images=step * global_batch, seconds=round(time.time() - run_start, 3),
-                        epoch_seconds=round(epoch_seconds, 3), img_per_s=round(img_per_s, 2), loss=mean_loss, lr=lr)
+                        epoch_seconds=round(epoch_seconds, 3), img_per_s=round(img_per_s, 2), loss=mean_loss, lr=lr,
+                        skipped_images=skipped)
             log.print(f"epoch {epoch_number:3d}/{cfg.epochs}  step {step:6d}  {epoch_seconds:7.1f} s  "
                       f"{img_per_s:8.1f} img/s  loss {mean_loss:.4f}  lr {lr:.4g}")
 
@@ -299,15 +305,25 @@ def _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, 
     eval_start = time.time()
     top1, top5, total = evaluate(model, loader, precision, engine)
     eval_seconds = time.time() - eval_start
+    skipped = _report_skipped(loader, engine, log, "validation")
     log.end(K.EVAL_STOP, epoch_num=epoch_number)
     log.event(K.EVAL_ACCURACY, top1, epoch_num=epoch_number)
     log.end(K.BLOCK_STOP, first_epoch_num=_block_first_epoch(cfg, epoch_number))
     log.metrics(kind="eval", step=step, epoch=epoch_number, images=step * global_batch,
                 seconds=round(time.time() - run_start, 3), top1=round(top1, 5), top5=round(top5, 5),
-                eval_images=total, eval_seconds=round(eval_seconds, 3))
+                eval_images=total, eval_seconds=round(eval_seconds, 3), skipped_images=skipped)
     log.print(f"eval  {epoch_number:3d}/{cfg.epochs}  top-1 {top1:.4f}  top-5 {top5:.4f}  ({total} images, {eval_seconds:.1f} s)")
     result.update(top1=top1, top5=top5, evaluated_at_step=step,
                   reached_target=bool(cfg.target_accuracy and top1 >= cfg.target_accuracy))
+
+
+def _report_skipped(loader, engine, log, split: str) -> int:
+    """Unreadable files skipped on all ranks since the last report, printed with a few names."""
+    skipped, examples = loader.take_skipped()
+    skipped = int(engine.all_reduce_sum(torch.tensor(skipped, device=engine.device)).item())
+    if skipped:
+        log.print(f"warning: skipped {skipped} unreadable {split} image(s), e.g. {', '.join(examples)}")
+    return skipped
 
 
 def _block_first_epoch(cfg: Config, epoch_number: int) -> int:

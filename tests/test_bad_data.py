@@ -1,0 +1,97 @@
+"""Bad files in a dataset: decoded when they are valid images in another format, otherwise skipped
+and counted (with names), never a crash and never a silent label shift."""
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import read_metrics, run_train
+from data.embedded import ensure_embedded
+from data.loaders import BadImage, TorchLoader, _TrainFolder, check_tree, load_rgb
+from train.config import Config
+
+
+@pytest.fixture(scope="module")
+def bad_tree(tmp_path_factory):
+    """Three classes from the embedded data plus every kind of bad or odd file."""
+    root = tmp_path_factory.mktemp("bad")
+    source = ensure_embedded()
+    for split, keep in (("train", 6), ("val", 3)):
+        for cls in ("blue_blobs", "red_hstripes", "yellow_checker"):
+            (root / split / cls).mkdir(parents=True)
+            for f in sorted((source / split / cls).iterdir())[:keep]:
+                shutil.copy(f, root / split / cls / f.name)
+        (root / split / "zz_empty").mkdir()  # an empty class folder keeps its index
+    rgb = Image.open(sorted((source / "train" / "red_hstripes").iterdir())[0]).convert("RGB")
+    odd = root / "train" / "red_hstripes"
+    rgb.save(odd / "png_inside.JPEG", format="PNG")                    # a PNG with a .JPEG name
+    rgb.convert("CMYK").save(odd / "cmyk.JPEG", format="JPEG")          # CMYK JPEG
+    rgb.convert("L").save(odd / "gray.JPEG", format="JPEG")             # grayscale
+    bad = root / "train" / "blue_blobs"
+    whole = (sorted((source / "train" / "blue_blobs").iterdir())[0]).read_bytes()
+    (bad / "truncated.JPEG").write_bytes(whole[: len(whole) // 2])
+    (bad / "empty.JPEG").write_bytes(b"")
+    (bad / "notes.JPEG").write_text("this is not an image")
+    os.symlink(root / "nowhere.JPEG", bad / "unreadable.JPEG")
+    (root / "val" / "yellow_checker" / "zero.JPEG").write_bytes(b"")
+    return root
+
+
+BAD_NAMES = {"truncated.JPEG", "empty.JPEG", "notes.JPEG", "unreadable.JPEG"}
+
+
+def test_valid_images_in_other_formats_decode_as_rgb(bad_tree):
+    odd = bad_tree / "train" / "red_hstripes"
+    for name in ("png_inside.JPEG", "cmyk.JPEG", "gray.JPEG"):
+        image = load_rgb(str(odd / name))
+        assert image.mode == "RGB" and image.size[0] > 10
+    red = np.asarray(load_rgb(str(odd / "cmyk.JPEG")), dtype=np.float32)
+    reference = np.asarray(load_rgb(str(odd / "png_inside.JPEG")), dtype=np.float32)
+    assert np.abs(red - reference).mean() < 20  # CMYK converted to the same colours, not garbage
+    for name in BAD_NAMES:
+        with pytest.raises(BadImage):
+            load_rgb(str(bad_tree / "train" / "blue_blobs" / name))
+
+
+def test_bad_files_are_replaced_by_the_next_readable_file_with_its_own_label(bad_tree):
+    folder = _TrainFolder(str(bad_tree / "train"), transform=lambda image: image)
+    assert folder.classes[-1] == "zz_empty" and len(folder.classes) == 4
+    skipped_seen = set()
+    for index, (path, label) in enumerate(folder.samples):
+        image, got_label, skipped = folder[(index, 0)]
+        skipped_seen.update(os.path.basename(p) for p in skipped)
+        used = index + len(skipped)
+        assert got_label == folder.samples[used % len(folder.samples)][1]  # the label of the file used
+        if os.path.basename(path) in BAD_NAMES:
+            assert skipped and skipped[0] == path
+        else:
+            assert not skipped
+    assert skipped_seen == BAD_NAMES
+
+
+def test_loader_keeps_batch_sizes_counts_skips_and_evaluates_each_good_image_once(bad_tree):
+    cfg = Config(data_dir=str(bad_tree), image_size=32, batch_size=4, workers=0)
+    loader = TorchLoader(cfg, check_tree(str(bad_tree)), 0, 1, torch.device("cpu"))
+    assert loader.empty_classes == ["zz_empty"]
+    sizes = [len(labels) for _, labels in loader.train_batches(epoch=0)]
+    assert sizes == [4] * loader.steps_per_epoch
+    count, examples = loader.take_skipped()
+    assert count >= 1 and examples and all(os.path.basename(e) in BAD_NAMES for e in examples)
+    val_total = sum(len(labels) for _, labels in loader.val_batches())
+    assert val_total == loader.val_images - 1  # the zero-byte validation file is not evaluated
+    assert loader.take_skipped()[0] == 1
+
+
+def test_training_on_a_tree_with_bad_files_finishes_and_logs_them(bad_tree, tmp_path):
+    result = run_train("--data-dir", bad_tree, "--out-dir", "run", "--arch", "resnet18", "--image-size", 32,
+                       "--batch-size", 4, "--epochs", 2, "--eval-every", 1, "--workers", 1, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "unreadable training image(s)" in result.stdout and "zz_empty" in result.stdout
+    assert "unreadable validation image(s), e.g. " in result.stdout and "zero.JPEG" in result.stdout
+    metrics = read_metrics(tmp_path / "run")
+    assert sum(m.get("skipped_images", 0) for m in metrics if m["kind"] == "epoch") >= 4
+    evals = [m for m in metrics if m["kind"] == "eval"]
+    assert all(e["eval_images"] == 9 and e["skipped_images"] == 1 for e in evals)
