@@ -1,7 +1,8 @@
-"""The loaders behind `--loader`: torchvision ImageFolder and synthetic (DALI comes later).
+"""The loaders behind `--loader`: torchvision (ImageFolder trees or tar shards) and synthetic.
 
 A Loader knows its sizes and yields device batches; the loop never asks which one it has.
 """
+import io
 import os
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms import v2 as T
 
+from data.shards import ShardSamples, is_shard_tree
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
 
@@ -28,13 +30,14 @@ class BadImage(Exception):
     """A file that is no readable image (zero bytes, truncated, not an image at all)."""
 
 
-def load_rgb(path: str) -> Image.Image:
-    """Any image PIL can read (JPEG, a PNG under a .JPEG name, CMYK, grayscale, palette) as RGB."""
+def load_rgb(path, name: str | None = None) -> Image.Image:
+    """Any image PIL can read (JPEG, a PNG under a .JPEG name, CMYK, grayscale, palette) as RGB.
+    `path` is a file name or a file object (a shard member's bytes)."""
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise BadImage(f"{path} ({type(err).__name__})") from err
+        raise BadImage(f"{name or path} ({type(err).__name__})") from err
 
 
 def _classes(split_dir: Path) -> list[str]:
@@ -42,10 +45,15 @@ def _classes(split_dir: Path) -> list[str]:
 
 
 def check_tree(data_dir: str) -> list[str]:
-    """The sorted class names of an ImageNet-layout tree, or a DataError saying what is wrong."""
+    """The sorted class names of an ImageNet-layout tree (or of tar shards with classes.txt),
+    or a DataError saying what is wrong."""
     root = Path(data_dir)
     if not root.is_dir():
         raise DataError(f"data directory {root} does not exist; pass --data-dir with train/<class>/*.jpg and val/<class>/*.jpg")
+    if is_shard_tree(root):
+        if not any((root / "val").glob("*.tar")):
+            raise DataError(f"{root} has training shards but no val/*.tar; write both splits with scripts/make_shards.py")
+        return (root / "classes.txt").read_text().split()
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise DataError(f"data directory {root} has no {split}/ folder; expected {split}/<class>/*.jpg")
@@ -64,8 +72,37 @@ def check_tree(data_dir: str) -> list[str]:
     return train_classes
 
 
-class _TrainFolder(torchvision.datasets.ImageFolder):
-    """ImageFolder whose items are keyed by (index, augmentation seed).
+class FolderSource:
+    """The (image, label) samples of one split of an ImageFolder tree."""
+
+    def __init__(self, split_dir: Path, classes: list[str]):
+        class_to_idx = {c: i for i, c in enumerate(classes)}
+        self.samples = torchvision.datasets.folder.make_dataset(str(split_dir), class_to_idx,
+                                                                extensions=IMAGE_EXTENSIONS, allow_empty=True)
+        self.targets = [label for _, label in self.samples]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def load(self, index: int) -> tuple[Image.Image, int]:
+        path, label = self.samples[index]
+        return load_rgb(path), label
+
+    def name(self, index: int) -> str:
+        return self.samples[index][0]
+
+
+class ShardSource(ShardSamples):
+    """The (image, label) samples of one split's tar shards."""
+    targets = None  # labels live inside the shards; reading them all up front would cost a pass
+
+    def load(self, index: int) -> tuple[Image.Image, int]:
+        payload, label = self.read(index)
+        return load_rgb(io.BytesIO(payload), self.name(index)), label
+
+
+class _TrainSet(torch.utils.data.Dataset):
+    """Training items keyed by (index, augmentation seed).
 
     Seeding torch's RNG per sample makes augmentation independent of worker count and
     scheduling, which is what lets a resumed run repeat an uninterrupted one bit for bit.
@@ -73,36 +110,36 @@ class _TrainFolder(torchvision.datasets.ImageFolder):
     takes its place, so every rank's batch keeps its size and no label shifts.
     """
 
-    def __init__(self, root, transform):
-        super().__init__(root, transform=transform, loader=load_rgb, allow_empty=True)
+    def __init__(self, source, transform):
+        self.source, self.transform = source, transform
+
+    def __len__(self) -> int:
+        return len(self.source)
 
     def __getitem__(self, key):
         index, seed = key
         skipped = []
-        for attempt in range(len(self.samples)):
-            path, label = self.samples[(index + attempt) % len(self.samples)]
+        for attempt in range(len(self.source)):
+            position = (index + attempt) % len(self.source)
             try:
-                image = load_rgb(path)
+                image, label = self.source.load(position)
             except BadImage:
-                skipped.append(path)
+                skipped.append(self.source.name(position))
                 continue
             torch.manual_seed(seed)
             return self.transform(image), label, skipped
-        raise DataError(f"no readable image in {self.root}")
+        raise DataError("no readable training image at all")
 
 
-class _EvalFolder(torchvision.datasets.ImageFolder):
-    """ImageFolder whose unreadable files come back as (None, label, path): counted, not evaluated."""
-
-    def __init__(self, root, transform):
-        super().__init__(root, transform=transform, loader=load_rgb, allow_empty=True)
+class _EvalSet(_TrainSet):
+    """Evaluation items; an unreadable file comes back as (None, label, [name]): counted, not evaluated."""
 
     def __getitem__(self, index):
-        path, label = self.samples[index]
         try:
-            return self.transform(load_rgb(path)), label, []
+            image, label = self.source.load(index)
+            return self.transform(image), label, []
         except BadImage:
-            return None, label, [path]
+            return None, -1, [self.source.name(index)]
 
 
 def _collate(items):
@@ -151,16 +188,19 @@ class TorchLoader(Loader):
                               T.RandomHorizontalFlip(), T.PILToTensor()])
         val_tf = T.Compose([T.Resize(round(size / EVAL_CROP_FRACTION), antialias=True),
                             T.CenterCrop(size), T.PILToTensor()])
-        self.train_set = _TrainFolder(str(root / "train"), transform=train_tf)
-        self.val_set = _EvalFolder(str(root / "val"), transform=val_tf)
+        source = (lambda split: ShardSource(root / split)) if is_shard_tree(root) else \
+            (lambda split: FolderSource(root / split, classes))
+        self.train_set = _TrainSet(source("train"), train_tf)
+        self.val_set = _EvalSet(source("val"), val_tf)
         self.sampler = TrainBatchSampler(len(self.train_set), cfg.batch_size, rank, world_size, cfg.seed)
         if self.sampler.num_items < self.sampler.global_batch:
             raise DataError(f"{root / 'train'} has {self.sampler.num_items} images, fewer than one global batch "
                             f"of {self.sampler.global_batch}; lower --batch-size")
         super().__init__(len(classes), len(self.train_set), len(self.val_set),
                          self.sampler.num_items // self.sampler.global_batch)
-        counts = torch.bincount(torch.tensor(self.train_set.targets), minlength=len(classes))
-        self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
+        if self.train_set.source.targets is not None:
+            counts = torch.bincount(torch.tensor(self.train_set.source.targets, dtype=torch.int64), minlength=len(classes))
+            self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
         self.device, self.channels_last = device, cfg.channels_last
         pin = device.type == "cuda"
         workers = dict(num_workers=cfg.workers, persistent_workers=cfg.workers > 0, pin_memory=pin)

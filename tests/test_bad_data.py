@@ -10,7 +10,7 @@ from PIL import Image
 
 from conftest import read_metrics, run_train
 from data.embedded import ensure_embedded
-from data.loaders import BadImage, TorchLoader, _TrainFolder, check_tree, load_rgb
+from data.loaders import BadImage, FolderSource, TorchLoader, _TrainSet, check_tree, load_rgb
 from train.config import Config
 
 
@@ -57,14 +57,16 @@ def test_valid_images_in_other_formats_decode_as_rgb(bad_tree):
 
 
 def test_bad_files_are_replaced_by_the_next_readable_file_with_its_own_label(bad_tree):
-    folder = _TrainFolder(str(bad_tree / "train"), transform=lambda image: image)
-    assert folder.classes[-1] == "zz_empty" and len(folder.classes) == 4
+    classes = check_tree(str(bad_tree))
+    assert classes[-1] == "zz_empty" and len(classes) == 4
+    source = FolderSource(bad_tree / "train", classes)
+    folder = _TrainSet(source, transform=lambda image: image)
     skipped_seen = set()
-    for index, (path, label) in enumerate(folder.samples):
+    for index, (path, label) in enumerate(source.samples):
         image, got_label, skipped = folder[(index, 0)]
         skipped_seen.update(os.path.basename(p) for p in skipped)
         used = index + len(skipped)
-        assert got_label == folder.samples[used % len(folder.samples)][1]  # the label of the file used
+        assert got_label == source.samples[used % len(source.samples)][1]  # the label of the file used
         if os.path.basename(path) in BAD_NAMES:
             assert skipped and skipped[0] == path
         else:

@@ -95,8 +95,9 @@ def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
     root = embedded.ensure_embedded(train_per_class=6, val_per_class=3, root=tmp_path)
     cfg = Config(data_dir=str(root), image_size=32, batch_size=8, workers=0)
     loader = TorchLoader(cfg, check_tree(str(root)), 0, 1, torch.device("cpu"))
-    assert loader.train_set.classes == sorted(embedded.CLASSES)
-    assert loader.train_set.class_to_idx == loader.val_set.class_to_idx
+    assert check_tree(str(root)) == sorted(embedded.CLASSES)
+    folders = [Path(path).parent.name for path, _ in loader.train_set.source.samples]
+    assert [sorted(embedded.CLASSES).index(f) for f in folders] == loader.train_set.source.targets
     assert loader.steps_per_epoch == 60 // 8
     images, labels = next(iter(loader.train_batches(epoch=0)))
     assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
@@ -107,4 +108,4 @@ def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
     assert torch.equal(images, again) and not torch.equal(images, other_epoch)
     # val: every image exactly once, with the label of its folder
     val_labels = torch.cat([y for _, y in loader.val_batches()])
-    assert val_labels.tolist() == [label for _, label in loader.val_set.samples]
+    assert val_labels.tolist() == loader.val_set.source.targets
