@@ -1,0 +1,114 @@
+"""scripts/prepare_imagenet.py on a miniature ILSVRC2012: three classes, official archive layout."""
+import hashlib
+import io
+import subprocess
+import sys
+import tarfile
+
+import numpy as np
+import pytest
+from PIL import Image
+from scipy.io import savemat
+
+from conftest import REPO
+from data.loaders import check_tree
+
+SCRIPT = REPO / "scripts" / "prepare_imagenet.py"
+WNIDS = ["n01440764", "n01443537", "n01484850"]
+
+
+def jpeg(colour, mode="RGB", fmt="JPEG") -> bytes:
+    image = Image.new("RGB", (40, 30), colour)
+    out = io.BytesIO()
+    image.convert(mode).save(out, format=fmt)
+    return out.getvalue()
+
+
+def add(tar, name, payload):
+    info = tarfile.TarInfo(name)
+    info.size = len(payload)
+    tar.addfile(info, io.BytesIO(payload))
+
+
+@pytest.fixture()
+def archives(tmp_path):
+    colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
+    with tarfile.open(tmp_path / "ILSVRC2012_img_train.tar", "w") as train:
+        for wnid, colour in zip(WNIDS, colours):
+            inner = io.BytesIO()
+            with tarfile.open(fileobj=inner, mode="w") as class_tar:
+                for i in range(4):
+                    add(class_tar, f"{wnid}_{i}.JPEG", jpeg(colour))
+                if wnid == WNIDS[0]:
+                    add(class_tar, f"{wnid}_cmyk.JPEG", jpeg(colour, mode="CMYK"))
+                    add(class_tar, f"{wnid}_png.JPEG", jpeg(colour, fmt="PNG"))
+            add(train, f"{wnid}.tar", inner.getvalue())
+    # validation: image k (1-based) belongs to ILSVRC id truth[k-1]; ids 1..3 map to WNIDS via meta.mat
+    truth = [2, 1, 3, 3, 1, 2]
+    with tarfile.open(tmp_path / "ILSVRC2012_img_val.tar", "w") as val:
+        for k, class_id in enumerate(truth, start=1):
+            add(val, f"ILSVRC2012_val_{k:08d}.JPEG", jpeg(colours[class_id - 1]))
+    synsets = np.zeros(4, dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("words", "O"), ("num_children", "O")])
+    for i, wnid in enumerate(WNIDS):
+        synsets[i] = (i + 1, wnid, f"class {i}", 0)
+    synsets[3] = (1001, "n00001740", "entity", 3)  # an inner node of the hierarchy: not a class
+    mat = io.BytesIO()
+    savemat(mat, {"synsets": synsets})
+    with tarfile.open(tmp_path / "ILSVRC2012_devkit_t12.tar.gz", "w:gz") as devkit:
+        add(devkit, "ILSVRC2012_devkit_t12/data/meta.mat", mat.getvalue())
+        add(devkit, "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt",
+            "".join(f"{t}\n" for t in truth).encode())
+    return tmp_path
+
+
+def prepare(archives, out, *extra):
+    return subprocess.run([sys.executable, str(SCRIPT), "--train-tar", str(archives / "ILSVRC2012_img_train.tar"),
+                           "--val-tar", str(archives / "ILSVRC2012_img_val.tar"),
+                           "--devkit", str(archives / "ILSVRC2012_devkit_t12.tar.gz"), "--out", str(out), *extra],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_counts_that_differ_from_ilsvrc2012_are_an_error(archives):
+    result = prepare(archives, archives / "out")
+    assert result.returncode == 2 and "counts differ" in result.stderr and "--allow-partial" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1 and not (archives / "out").exists()
+
+
+def test_miniature_ilsvrc_becomes_an_imagefolder_tree_with_manifest_and_shards(archives):
+    out = archives / "out"
+    result = prepare(archives, out, "--allow-partial", "--shards", "--shard-size", "4")
+    assert result.returncode == 0, result.stderr
+    assert "train 14 (official 1,281,167)" in result.stderr and "classes 3 (official 1,000)" in result.stderr
+    assert check_tree(str(out)) == WNIDS
+    assert [len(list((out / "train" / w).iterdir())) for w in WNIDS] == [6, 4, 4]
+    # validation images sit in the class of their ground-truth id
+    assert sorted(p.name for p in (out / "val" / WNIDS[0]).iterdir()) == ["ILSVRC2012_val_00000002.JPEG", "ILSVRC2012_val_00000005.JPEG"]
+    assert sorted(p.name for p in (out / "val" / WNIDS[2]).iterdir()) == ["ILSVRC2012_val_00000003.JPEG", "ILSVRC2012_val_00000004.JPEG"]
+    for name in (f"{WNIDS[0]}_cmyk.JPEG", f"{WNIDS[0]}_png.JPEG"):
+        with Image.open(out / "train" / WNIDS[0] / name) as image:
+            assert image.format == "JPEG" and image.mode == "RGB"
+            assert abs(np.asarray(image, dtype=float)[..., 0].mean() - 200) < 10
+    manifest = (out / "manifest.tsv").read_text().splitlines()
+    assert manifest[0].split("\t") == ["split", "path", "bytes", "sha256", "note"] and len(manifest) == 1 + 14 + 6
+    for line in manifest[1:]:
+        split, path, size, sha, note = line.split("\t")
+        payload = (out / path).read_bytes()
+        assert int(size) == len(payload) and sha == hashlib.sha256(payload).hexdigest()
+    assert sum("converted" in line for line in manifest) == 2
+    assert check_tree(str(out / "shards")) == WNIDS and len(list((out / "shards" / "train").glob("*.tar"))) == 4
+
+
+def test_an_interrupted_preparation_resumes_without_redoing_finished_classes(archives):
+    out = archives / "out"
+    assert prepare(archives, out, "--allow-partial").returncode == 0
+    kept = (out / "train" / WNIDS[0] / f"{WNIDS[0]}_0.JPEG").stat().st_mtime_ns
+    # as if killed while writing the last class: its folder is half-written and not yet in place
+    (out / "train" / WNIDS[2]).rename(out / "train" / f"{WNIDS[2]}.partial")
+    (out / "train" / f"{WNIDS[2]}.partial" / f"{WNIDS[2]}_3.JPEG").unlink()
+    (out / ".manifests" / f"train-{WNIDS[2]}.tsv").unlink()
+    result = prepare(archives, out, "--allow-partial")
+    assert result.returncode == 0, result.stderr
+    assert "resumed: 2 finished class(es) kept" in result.stdout
+    assert (out / "train" / WNIDS[0] / f"{WNIDS[0]}_0.JPEG").stat().st_mtime_ns == kept
+    assert len(list((out / "train" / WNIDS[2]).iterdir())) == 4 and not (out / "train" / f"{WNIDS[2]}.partial").exists()
+    assert len((out / "manifest.tsv").read_text().splitlines()) == 1 + 14 + 6
