@@ -263,6 +263,8 @@ def build_loader(cfg, rank: int, world_size: int, device: torch.device) -> Loade
     if cfg.loader == "synthetic":
         return SyntheticLoader(cfg, rank, world_size, device)
     if cfg.loader == "torch":
-        classes = check_tree(cfg.data_dir)
-        return TorchLoader(cfg, classes, rank, world_size, device)
-    raise DataError(f"unknown --loader {cfg.loader!r}; choose torch or synthetic")
+        return TorchLoader(cfg, check_tree(cfg.data_dir), rank, world_size, device)
+    if cfg.loader == "dali":
+        from data.dali import DaliLoader
+        return DaliLoader(cfg, check_tree(cfg.data_dir), rank, world_size, device)
+    raise DataError(f"unknown --loader {cfg.loader!r}; choose torch, dali or synthetic")

@@ -21,7 +21,7 @@ class UsageError(ValueError):
 class Config:
     # data
     data_dir: str = field(default="", metadata={"help": "ImageNet-layout tree (train/<class>/, val/<class>/); empty: the embedded dataset"})
-    loader: str = field(default="torch", metadata={"help": "torch | synthetic"})
+    loader: str = field(default="torch", metadata={"help": "torch | dali | synthetic"})
     workers: int = field(default=4, metadata={"help": "DataLoader worker processes per rank"})
     image_size: int = field(default=224, metadata={"help": "training and evaluation crop size in pixels"})
     crop_min_scale: float = field(default=0.08, metadata={"help": "smallest area fraction of random-resized-crop"})
@@ -166,7 +166,7 @@ def validate(cfg: Config) -> Config:
     need(cfg.epochs > 0, f"--epochs must be positive, got {cfg.epochs}")
     need(cfg.image_size >= 16, f"--image-size must be at least 16, got {cfg.image_size}")
     need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
-    need(cfg.loader in ("torch", "synthetic"), f"unknown --loader {cfg.loader!r}; choose torch or synthetic")
+    need(cfg.loader in ("torch", "dali", "synthetic"), f"unknown --loader {cfg.loader!r}; choose torch, dali or synthetic")
     need(cfg.optimizer in ("lars", "sgd"), f"unknown --optimizer {cfg.optimizer!r}; choose lars or sgd")
     need(cfg.precision in ("auto", "fp32", "bf16", "fp16"), f"unknown --precision {cfg.precision!r}; choose fp32, bf16, fp16 or auto")
     need(cfg.engine in ("auto", "none", "torch", "horovod"), f"unknown --engine {cfg.engine!r}; choose auto, none, torch or horovod")

@@ -59,7 +59,7 @@ def run(cfg: Config) -> dict:
     device = engine.device
     precision = Precision(cfg.precision, device)
     cfg = _per_rank_batch(cfg, engine.world_size)
-    data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader == "torch" else "")
+    data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader != "synthetic" else "")
     loader = build_loader(dataclasses.replace(cfg, data_dir=data_dir), engine.rank, engine.world_size, device)
     out_dir = _prepare_out_dir(cfg, engine)  # after every check: bad input leaves no folder
     cfg = dataclasses.replace(cfg, out_dir=str(out_dir))

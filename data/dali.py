@@ -1,0 +1,149 @@
+"""`--loader dali`: NVIDIA DALI decodes and augments; on a GPU with device='mixed' (nvJPEG, the
+hardware JPEG decoder where the GPU has one, ROI decoding of the random crop), on a CPU-only
+machine the same pipeline with CPU operators (device_id=None).
+
+Which files each rank reads, and in which order, comes from the same sampler as the torch loader
+(data/sharding.py): the pipeline's external source hands DALI the encoded bytes of exactly this
+rank's slice of each global batch. Batches come out normalised, channels_last, on the device.
+Augmentation randomness is DALI's own (seeded per rank and epoch), so bit-exact resume is a
+property of the torch loader only.
+"""
+import numpy as np
+import torch
+
+from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FolderSource, Loader,
+                          ShardSource)
+from data.shards import is_shard_tree
+from data.sharding import TrainBatchSampler, eval_batches
+
+JPEG_MAGIC, PNG_MAGIC = b"\xff\xd8", b"\x89PNG"
+
+
+def _encoded(source, index: int) -> bytes | None:
+    """The file's bytes, or None when it cannot be an image DALI decodes (empty, unreadable, not JPEG/PNG)."""
+    try:
+        payload = source.read(index)[0] if isinstance(source, ShardSource) else open(source.name(index), "rb").read()
+    except OSError:
+        return None
+    return payload if payload[:2] == JPEG_MAGIC or payload[:4] == PNG_MAGIC else None
+
+
+class DaliLoader(Loader):
+    def __init__(self, cfg, classes, rank, world_size, device):
+        try:
+            from nvidia.dali import fn, pipeline_def, types
+        except ImportError as err:
+            raise DataError(f"--loader dali needs NVIDIA DALI ({err}); run scripts/setup.sh or use --loader torch")
+        self.fn, self.types, self.device, self.cfg = fn, types, device, cfg
+        from pathlib import Path
+        root = Path(cfg.data_dir)
+        make = (lambda split: ShardSource(root / split)) if is_shard_tree(root) else \
+            (lambda split: FolderSource(root / split, classes))
+        self.train_source, self.val_source = make("train"), make("val")
+        self.sampler = TrainBatchSampler(len(self.train_source), cfg.batch_size, rank, world_size, cfg.seed)
+        if self.sampler.num_items < self.sampler.global_batch:
+            raise DataError(f"{root / 'train'} has {self.sampler.num_items} images, fewer than one global batch "
+                            f"of {self.sampler.global_batch}; lower --batch-size")
+        super().__init__(len(classes), len(self.train_source), len(self.val_source),
+                         self.sampler.num_items // self.sampler.global_batch)
+        self.rank, self.world_size = rank, world_size
+        self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
+        gpu = device.type == "cuda"
+        self.pipeline_kwargs = dict(num_threads=max(1, cfg.workers), device_id=device.index if gpu else None,
+                                    prefetch_queue_depth=1)
+        self.decode_device = "mixed" if gpu else "cpu"
+        self.pipeline_def = pipeline_def
+
+    # the two pipelines -------------------------------------------------------------------------
+    def _train_pipeline(self, feed, seed):
+        fn, types, cfg = self.fn, self.types, self.cfg
+
+        @self.pipeline_def(batch_size=cfg.batch_size, seed=seed, **self.pipeline_kwargs)
+        def train():
+            jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
+            images = fn.decoders.image_random_crop(jpegs, device=self.decode_device, output_type=types.RGB,
+                                                   random_area=[cfg.crop_min_scale, 1.0],
+                                                   random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=100)
+            images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, antialias=True)
+            images = fn.crop_mirror_normalize(images, mirror=fn.random.coin_flip(), dtype=types.FLOAT,
+                                              output_layout="HWC", mean=[m * 255 for m in IMAGENET_MEAN],
+                                              std=[s * 255 for s in IMAGENET_STD])
+            return images, labels
+        return train()
+
+    def _eval_pipeline(self, feed):
+        fn, types, cfg = self.fn, self.types, self.cfg
+
+        @self.pipeline_def(batch_size=cfg.batch_size, seed=0, **self.pipeline_kwargs)
+        def evaluate():
+            jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
+            images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB)
+            images = fn.resize(images, resize_shorter=round(cfg.image_size / EVAL_CROP_FRACTION), antialias=True)
+            images = fn.crop_mirror_normalize(images, crop=(cfg.image_size, cfg.image_size), dtype=types.FLOAT,
+                                              output_layout="HWC", mean=[m * 255 for m in IMAGENET_MEAN],
+                                              std=[s * 255 for s in IMAGENET_STD])
+            return images, labels
+        return evaluate()
+
+    # feeding: this rank's files, bad ones skipped and counted --------------------------------------
+    def _train_feed(self, batches):
+        for batch in batches:
+            payloads, labels = [], []
+            for index, _ in batch:
+                for attempt in range(len(self.train_source)):  # as the torch loader: the next good file
+                    position = (index + attempt) % len(self.train_source)
+                    payload = _encoded(self.train_source, position)
+                    if payload is not None:
+                        break
+                    self._note_skipped([self.train_source.name(position)])
+                payloads.append(np.frombuffer(payload, dtype=np.uint8))
+                labels.append(np.array(self._label(self.train_source, position), dtype=np.int64))
+            yield payloads, labels
+
+    @staticmethod
+    def _label(source, index):
+        return source.read(index)[1] if isinstance(source, ShardSource) else source.samples[index][1]
+
+    def _run(self, pipe):
+        """Batches until the feed runs out (DALI passes the feed's StopIteration on from run())."""
+        pipe.build()
+        while True:
+            try:
+                images, labels = pipe.run()
+            except StopIteration:
+                return
+            images = torch.as_tensor(np.asarray(images.as_cpu().as_tensor())) if self.device.type == "cpu" else \
+                _dali_to_torch(images.as_tensor(), self.device)
+            labels = torch.as_tensor(np.asarray(labels.as_cpu().as_tensor())).reshape(-1).to(self.device)
+            # DALI gives NHWC; as NCHW with channels_last strides this is the layout the model wants
+            yield images.permute(0, 3, 1, 2), labels
+
+    def train_batches(self, epoch, start_step=0):
+        self.sampler.epoch, self.sampler.start_step = epoch, start_step
+        feed = self._train_feed(iter(self.sampler))
+        pipe = self._train_pipeline(lambda: next(feed), seed=self.cfg.seed * 100_003 + epoch * 1009 + self.rank)
+        return self._run(pipe)
+
+    def _eval_feed(self):
+        for batch in self.eval_batches:
+            payloads, labels = [], []
+            for index in batch:
+                payload = _encoded(self.val_source, index)
+                if payload is None:  # counted, not evaluated
+                    self._note_skipped([self.val_source.name(index)])
+                    continue
+                payloads.append(np.frombuffer(payload, dtype=np.uint8))
+                labels.append(np.array(self._label(self.val_source, index), dtype=np.int64))
+            if payloads:
+                yield payloads, labels
+
+    def val_batches(self):
+        feed = self._eval_feed()
+        return self._run(self._eval_pipeline(lambda: next(feed)))
+
+
+def _dali_to_torch(tensor, device):
+    from nvidia.dali.plugin.pytorch import feed_ndarray
+    out = torch.empty(tensor.shape(), dtype=torch.float32, device=device)
+    feed_ndarray(tensor, out, cuda_stream=torch.cuda.current_stream(device))
+    return out

@@ -1,0 +1,84 @@
+"""The DALI pipeline (CPU operators here; the same pipeline runs device='mixed' on a GPU) against
+the torchvision pipeline on the same real JPEG files."""
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from conftest import read_metrics, run_train
+from data.dali import DaliLoader
+from data.loaders import TorchLoader, check_tree
+from train.config import Config
+
+STD_255 = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
+
+
+@pytest.fixture(scope="module")
+def smooth_tree(tmp_path_factory):
+    """Gradients of varied sizes, so resampling differences stay small and alignment errors show."""
+    root = tmp_path_factory.mktemp("smooth")
+    rng = np.random.default_rng(0)
+    for split, count in (("train", 6), ("val", 5)):
+        for blue, cls in ((200, "a"), (40, "b"), (120, "c")):
+            (root / split / cls).mkdir(parents=True)
+            for i in range(count):
+                h, w = rng.integers(40, 100, 2)
+                y, x = np.mgrid[0:h, 0:w]
+                pixels = np.stack([x / w * 255, y / h * 255, np.full((h, w), blue)], axis=-1).astype(np.uint8)
+                Image.fromarray(pixels).save(root / split / cls / f"{cls}{i}.jpg", quality=95)
+    return root
+
+
+def loaders(root, **overrides):
+    cfg = Config(data_dir=str(root), image_size=32, batch_size=4, workers=1, **overrides)
+    classes = check_tree(str(root))
+    cpu = torch.device("cpu")
+    return DaliLoader(cfg, classes, 0, 1, cpu), TorchLoader(Config(**{**cfg.__dict__, "workers": 0}), classes, 0, 1, cpu)
+
+
+def test_eval_crops_and_labels_agree_with_torchvision(smooth_tree):
+    dali, torch_loader = loaders(smooth_tree)
+    pairs = list(zip(dali.val_batches(), torch_loader.val_batches()))
+    assert sum(len(b[1]) for b, _ in pairs) == 15
+    for (a, labels_a), (b, labels_b) in pairs:
+        assert torch.equal(labels_a, labels_b)
+        assert a.shape == b.shape and a.is_contiguous(memory_format=torch.channels_last)
+        levels = (a - b).abs() * STD_255  # back to 0-255 pixel levels
+        assert levels.mean() < 5 and levels.max() < 20
+
+
+def test_training_batches_follow_the_shared_sampler(smooth_tree):
+    dali, torch_loader = loaders(smooth_tree)
+    epoch = list(dali.train_batches(epoch=1))
+    assert len(epoch) == dali.steps_per_epoch == 18 // 4
+    torch_loader.sampler.epoch = 1  # the torch loader's order for the same epoch: the same sampler
+    files = [i for batch in torch_loader.sampler for i, _ in batch]
+    expected = [dali.train_source.samples[i][1] for i in files]
+    assert torch.cat([labels for _, labels in epoch]).tolist() == expected
+    images = epoch[0][0]
+    assert images.shape == (4, 3, 32, 32) and images.dtype == torch.float32 and -3 < images.mean() < 3
+
+
+def test_dali_skips_files_it_cannot_decode(smooth_tree, tmp_path):
+    tree = tmp_path / "tree"
+    shutil.copytree(smooth_tree, tree)
+    (tree / "train" / "a" / "empty.jpg").write_bytes(b"")
+    (tree / "train" / "a" / "text.jpg").write_text("not an image")
+    (tree / "val" / "b" / "empty.jpg").write_bytes(b"")
+    dali, _ = loaders(tree)
+    labels = [len(y) for _, y in dali.train_batches(epoch=0)]
+    assert labels == [4] * dali.steps_per_epoch
+    val = sum(len(y) for _, y in dali.val_batches())
+    assert val == 15
+    assert dali.take_skipped()[0] >= 1
+
+
+def test_training_with_the_dali_loader(tmp_path):
+    result = run_train("--out-dir", "run", "--loader", "dali", "--arch", "resnet18", "--max-steps", 3,
+                       "--workers", 2, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    evals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"]
+    assert evals[-1]["eval_images"] == 300 and Path(tmp_path / "run" / "checkpoint.pt").exists()
