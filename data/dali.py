@@ -20,12 +20,18 @@ JPEG_MAGIC, PNG_MAGIC = b"\xff\xd8", b"\x89PNG"
 
 
 def _encoded(source, index: int) -> bytes | None:
-    """The file's bytes, or None when it cannot be an image DALI decodes (empty, unreadable, not JPEG/PNG)."""
+    """The file's bytes, or None when DALI could not decode it: empty, unreadable, not JPEG or PNG, or
+    truncated (a DALI decoder error would stop the whole pipeline, so files are checked first: a
+    JPEG ends with its EOI marker, which entropy-coded data never contains, a PNG with IEND)."""
     try:
         payload = source.read(index)[0] if isinstance(source, ShardSource) else open(source.name(index), "rb").read()
     except OSError:
         return None
-    return payload if payload[:2] == JPEG_MAGIC or payload[:4] == PNG_MAGIC else None
+    if payload[:2] == JPEG_MAGIC and b"\xff\xd9" in payload[-1024:]:
+        return payload
+    if payload[:4] == PNG_MAGIC and b"IEND" in payload[-16:]:
+        return payload
+    return None
 
 
 class DaliLoader(Loader):
@@ -62,8 +68,9 @@ class DaliLoader(Loader):
         def train():
             jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
             images = fn.decoders.image_random_crop(jpegs, device=self.decode_device, output_type=types.RGB,
-                                                   random_area=[cfg.crop_min_scale, 1.0],
-                                                   random_aspect_ratio=[3 / 4, 4 / 3], num_attempts=100)
+                                                   random_area=[cfg.crop_min_scale, cfg.crop_max_scale],
+                                                   random_aspect_ratio=[cfg.crop_min_aspect, cfg.crop_max_aspect],
+                                                   num_attempts=100)
             images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, antialias=True)
             images = fn.crop_mirror_normalize(images, mirror=fn.random.coin_flip(), dtype=types.FLOAT,
                                               output_layout="HWC", mean=[m * 255 for m in IMAGENET_MEAN],

@@ -184,7 +184,8 @@ class TorchLoader(Loader):
     def __init__(self, cfg, classes, rank, world_size, device):
         root = Path(cfg.data_dir)
         size = cfg.image_size
-        train_tf = T.Compose([T.RandomResizedCrop(size, scale=(cfg.crop_min_scale, 1.0), antialias=True),
+        train_tf = T.Compose([T.RandomResizedCrop(size, scale=(cfg.crop_min_scale, cfg.crop_max_scale),
+                                                    ratio=(cfg.crop_min_aspect, cfg.crop_max_aspect), antialias=True),
                               T.RandomHorizontalFlip(), T.PILToTensor()])
         val_tf = T.Compose([T.Resize(round(size / EVAL_CROP_FRACTION), antialias=True),
                             T.CenterCrop(size), T.PILToTensor()])

@@ -67,13 +67,17 @@ def test_dali_skips_files_it_cannot_decode(smooth_tree, tmp_path):
     shutil.copytree(smooth_tree, tree)
     (tree / "train" / "a" / "empty.jpg").write_bytes(b"")
     (tree / "train" / "a" / "text.jpg").write_text("not an image")
+    whole = (tree / "train" / "b" / "b0.jpg").read_bytes()
+    (tree / "train" / "b" / "truncated.jpg").write_bytes(whole[: len(whole) // 2])
     (tree / "val" / "b" / "empty.jpg").write_bytes(b"")
+    (tree / "val" / "c" / "truncated.jpg").write_bytes(whole[: len(whole) // 3])
     dali, _ = loaders(tree)
     labels = [len(y) for _, y in dali.train_batches(epoch=0)]
     assert labels == [4] * dali.steps_per_epoch
     val = sum(len(y) for _, y in dali.val_batches())
     assert val == 15
-    assert dali.take_skipped()[0] >= 1
+    skipped, names = dali.take_skipped()
+    assert skipped >= 2 and {Path(n).name for n in names} <= {"empty.jpg", "text.jpg", "truncated.jpg"}
 
 
 def test_training_with_the_dali_loader(tmp_path):
@@ -82,3 +86,29 @@ def test_training_with_the_dali_loader(tmp_path):
     assert result.returncode == 0, result.stderr
     evals = [m for m in read_metrics(tmp_path / "run") if m["kind"] == "eval"]
     assert evals[-1]["eval_images"] == 300 and Path(tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_crop_area_and_aspect_settings_reach_both_pipelines(tmp_path):
+    # square images, crop area and aspect pinned to 1: every training crop is the whole image, maybe mirrored
+    for split in ("train", "val"):
+        for cls, blue in (("a", 30), ("b", 220)):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for i in range(4):
+                y, x = np.mgrid[0:64, 0:64]
+                pixels = np.stack([x * 4, y * 4 * (i + 1) % 256, np.full((64, 64), blue)], -1).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / cls / f"{i}.png")
+    dali, torch_loader = loaders(tmp_path, crop_min_scale=1.0, crop_max_scale=1.0, crop_min_aspect=1.0, crop_max_aspect=1.0)
+    whole = {}
+    for loader in (dali, torch_loader):
+        loader.sampler.epoch = 0
+        order = [i for batch in loader.sampler for i, _ in batch]
+        crops = torch.cat([images for images, _ in loader.train_batches(epoch=0)])
+        for crop, index in zip(crops, order):
+            path = loader.train_source.name(index) if hasattr(loader, "train_source") else loader.train_set.source.name(index)
+            reference = torch.tensor(np.asarray(Image.open(path).convert("RGB").resize((32, 32), Image.BILINEAR)),
+                                     dtype=torch.float32).permute(2, 0, 1)
+            pixels = crop * STD_255[0] + torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1) * 255
+            error = min((pixels - reference).abs().mean(), (pixels - reference.flip(-1)).abs().mean())
+            assert error < 6, (loader, path, float(error))
+        whole[type(loader).__name__] = len(order)
+    assert whole == {"DaliLoader": 8, "TorchLoader": 8}
