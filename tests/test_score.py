@@ -1,0 +1,140 @@
+"""The scorer on hand-made run directories (known times and accuracies) and on real runs."""
+import json
+import struct
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import run_train
+from models import eval_flops_per_image, train_flops_per_image
+
+T0 = 1_700_000_000_000  # run_start, ms
+
+
+def mllog_line(key, time_ms, value=None, **metadata):
+    return ":::MLLOG " + json.dumps({"namespace": "", "time_ms": time_ms, "event_type": "POINT_IN_TIME", "key": key,
+                                     "value": value, "metadata": metadata})
+
+
+def make_run(root, name, evals, stop_s=None, images=1_000_000, eval_images=50_000, status="success", config=None):
+    """evals: [(seconds after run_start, top1)]."""
+    run = root / name
+    run.mkdir()
+    lines = [mllog_line("run_start", T0)]
+    for epoch, (seconds, top1) in enumerate(evals, start=1):
+        lines.append(mllog_line("eval_accuracy", T0 + int(seconds * 1000), top1, epoch_num=epoch))
+    if stop_s is not None:
+        lines.append(mllog_line("run_stop", T0 + int(stop_s * 1000), None, status=status))
+    (run / "mllog.txt").write_text("\n".join(lines) + "\n")
+    last = T0 / 1000 + evals[-1][0]
+    metrics = [{"kind": "train", "step": 10, "images": images, "seconds": evals[-1][0], "img_per_s": 1.0, "time": last - 1},
+               {"kind": "eval", "epoch": len(evals), "top1": evals[-1][1], "eval_images": eval_images, "seconds": evals[-1][0],
+                "time": last}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+    (run / "config.yaml").write_text(yaml.safe_dump(config or {"arch": "resnet50", "image_size": 224,
+                                                             "data_dir": "/imagenet", "global_batch_size": 3264,
+                                                             "preset": "mlperf-bs3264", "optimizer": "lars", "lr": 10.5,
+                                                             "warmup_epochs": 2.0, "weight_decay": 5e-5, "momentum": 0.9,
+                                                             "label_smoothing": 0.1, "epochs": 37}))
+    return run
+
+
+def score(*args, cwd):
+    result = subprocess.run([sys.executable, "-m", "train.score", *map(str, args)], capture_output=True, text=True,
+                            cwd=cwd, timeout=300)
+    return result
+
+
+def test_valid_flops_arithmetic_on_a_hand_made_log(tmp_path):
+    make_run(tmp_path, "run", [(1000.0, 0.70), (1800.0, 0.765)], stop_s=2000.0)
+    result = score(tmp_path / "run", "--json", "--no-check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    per_image = train_flops_per_image("resnet50", 224, 1000)
+    assert abs(per_image - 24.3e9) / 24.3e9 < 0.02
+    total = 1_000_000 * per_image + 50_000 * eval_flops_per_image("resnet50", 224, 1000)
+    flops = total / 2000.0
+    assert got["time_to_quality_s"] == pytest.approx(2000.0)
+    assert got["time_to_target_s"] == pytest.approx(1800.0)  # first eval at or above 75.9%
+    assert got["total_flop"] == pytest.approx(total) and got["flops"] == pytest.approx(flops)
+    assert got["valid_flops"] == pytest.approx(flops * (0.765 / 0.763) ** 5)
+    assert got["top1"] == 0.765 and got["throughput_img_s"] == pytest.approx(500.0)
+    assert got["hpc_ai500_level"] == "hardware"
+    other = score(tmp_path / "run", "--json", "--no-check", "--target", 0.8, "--power", 10, cwd=tmp_path)
+    assert json.loads(other.stdout)["valid_flops"] == pytest.approx(flops * (0.765 / 0.8) ** 10)
+
+
+def test_olympic_mean_with_and_without_a_run_that_missed_the_target(tmp_path):
+    for i, t in enumerate([100, 90, 130, 110, 120]):
+        make_run(tmp_path, f"ok{i}", [(t, 0.76)], stop_s=t)
+    five = json.loads(score(*[tmp_path / f"ok{i}" for i in range(5)], "--json", "--no-check", cwd=tmp_path).stdout)
+    assert five["mlperf"] == {"valid": True, "score_s": pytest.approx((100 + 110 + 120) / 3), "runs": 5, "averaged": 3}
+    make_run(tmp_path, "missed", [(80, 0.70)], stop_s=80, status="aborted")
+    runs = [tmp_path / f"ok{i}" for i in range(4)] + [tmp_path / "missed"]
+    one_failed = json.loads(score(*runs, "--json", "--no-check", cwd=tmp_path).stdout)["mlperf"]
+    assert one_failed["valid"] and one_failed["score_s"] == pytest.approx((100 + 110 + 130) / 3)  # failed = dropped slowest
+    make_run(tmp_path, "missed2", [(85, 0.71)], stop_s=85, status="aborted")
+    two_failed = score(*runs, tmp_path / "missed2", cwd=tmp_path, )
+    assert "MLPerf score: invalid" in two_failed.stdout and "never reached" in two_failed.stdout
+
+
+def test_runs_of_different_configurations_get_no_mlperf_score(tmp_path):
+    make_run(tmp_path, "a", [(100, 0.76)], stop_s=100)
+    make_run(tmp_path, "b", [(100, 0.76)], stop_s=100, config={"arch": "resnet50", "image_size": 224, "lr": 3.0})
+    make_run(tmp_path, "c", [(100, 0.76)], stop_s=100)
+    result = score(tmp_path / "a", tmp_path / "b", tmp_path / "c", "--no-check", cwd=tmp_path)
+    assert result.returncode == 0 and "different configurations" in result.stdout
+
+
+def test_published_result_uses_the_same_flop_count(tmp_path):
+    result = score("--time-s", 74.7, "--top1", 0.7508, "--json", cwd=tmp_path)  # Yamazaki et al. 2019
+    got = json.loads(result.stdout)
+    expected = 90 * 1_281_167 * train_flops_per_image("resnet50", 224) / 74.7
+    assert got["flops"] == pytest.approx(expected) and got["valid_flops"] == pytest.approx(expected * (0.7508 / 0.763) ** 5)
+    from_facts = 90 * 1_281_167 * 24.3e9 / 74.7  # FACTS.md: 24.3 GFLOP per training image, about 37.5 PFLOPS here
+    assert abs(got["flops"] - from_facts) / from_facts < 0.02
+    bad = score("--time-s", 0, "--top1", 0.75, cwd=tmp_path)
+    assert bad.returncode == 2 and "--time-s must be positive" in bad.stderr
+
+
+def test_crashed_truncated_and_unevaluated_runs(tmp_path):
+    crashed = make_run(tmp_path, "crashed", [(100, 0.5), (200, 0.6)])  # no run_stop
+    with open(crashed / "mllog.txt", "a") as f:
+        f.write(':::MLLOG {"namespace": "", "time_ms": 17000')  # a last line cut off mid-write
+    got = json.loads(score(crashed, "--json", "--no-check", cwd=tmp_path).stdout)
+    assert got["status"] == "crashed" and got["time_to_quality_s"] == pytest.approx(200.0) and got["top1"] == 0.6
+    assert any("cut off" in n for n in got["notes"]) and any("crashed" in n for n in got["notes"])
+    never = tmp_path / "never"
+    never.mkdir()
+    (never / "mllog.txt").write_text(mllog_line("run_start", T0) + "\n" + mllog_line("run_stop", T0 + 5000, status="aborted") + "\n")
+    result = score(never, cwd=tmp_path)
+    assert result.returncode == 2 and "never evaluated" in result.stderr
+    both = score(never, crashed, "--no-check", cwd=tmp_path)  # something can be scored: exit 0 with a warning
+    assert both.returncode == 0 and "never evaluated" in both.stderr and "crashed" in both.stdout
+    missing = score(tmp_path / "nothing", cwd=tmp_path)
+    assert missing.returncode == 2 and "no mllog.txt" in missing.stderr
+    backwards = make_run(tmp_path, "backwards", [(-5, 0.5)], stop_s=-1)
+    assert "not after run_start" in score(backwards, cwd=tmp_path).stderr
+
+
+def test_compliance_verdict_and_report_on_real_runs(tmp_path):
+    for name in ("a", "b"):
+        trained = run_train("--out-dir", name, "--arch", "resnet18", "--max-steps", 3, "--workers", 0,
+                            "--log-every", 1, cwd=tmp_path)
+        assert trained.returncode == 0, trained.stderr
+    lines = (tmp_path / "b" / "mllog.txt").read_text().splitlines()  # break it: drop a required key
+    (tmp_path / "b" / "mllog.txt").write_text("".join(f"{line}\n" for line in lines if '"key": "submission_org"' not in line))
+    good = json.loads(score(tmp_path / "a", "--json", cwd=tmp_path).stdout)
+    assert good["mlperf_compliant"] is True and good["mlperf_verdict"] == "SUCCESS"
+    assert good["hpc_ai500_level"] == "free"  # resnet18 at 32 px: the model changed
+    broken = json.loads(score(tmp_path / "b", "--json", cwd=tmp_path).stdout)
+    assert broken["mlperf_compliant"] is False and "submission_org" in broken["mlperf_verdict"], broken["mlperf_verdict"]
+    result = score(tmp_path / "a", tmp_path / "b", "--no-check", "--report", tmp_path / "report.png", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    png = (tmp_path / "report.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", png[16:24])
+    assert (width, height) == (1200, 450)
+    assert not (tmp_path / "compliance_checker.log").exists()
