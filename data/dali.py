@@ -8,13 +8,14 @@ rank's slice of each global batch. Batches come out normalised, channels_last, o
 Augmentation randomness is DALI's own (seeded per rank and epoch), so bit-exact resume is a
 property of the torch loader only.
 """
+from pathlib import Path
+
 import numpy as np
 import torch
 
-from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FolderSource, Loader,
-                          ShardSource)
-from data.shards import is_shard_tree
-from data.sharding import TrainBatchSampler, eval_batches
+from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, Loader, ShardSource,
+                          open_split, train_sampler)
+from data.sharding import eval_batches
 
 JPEG_MAGIC, PNG_MAGIC = b"\xff\xd8", b"\x89PNG"
 
@@ -41,15 +42,9 @@ class DaliLoader(Loader):
         except ImportError as err:
             raise DataError(f"--loader dali needs NVIDIA DALI ({err}); run scripts/setup.sh or use --loader torch")
         self.fn, self.types, self.device, self.cfg = fn, types, device, cfg
-        from pathlib import Path
         root = Path(cfg.data_dir)
-        make = (lambda split: ShardSource(root / split)) if is_shard_tree(root) else \
-            (lambda split: FolderSource(root / split, classes))
-        self.train_source, self.val_source = make("train"), make("val")
-        self.sampler = TrainBatchSampler(len(self.train_source), cfg.batch_size, rank, world_size, cfg.seed)
-        if self.sampler.num_items < self.sampler.global_batch:
-            raise DataError(f"{root / 'train'} has {self.sampler.num_items} images, fewer than one global batch "
-                            f"of {self.sampler.global_batch}; lower --batch-size")
+        self.train_source, self.val_source = open_split(root, "train", classes), open_split(root, "val", classes)
+        self.sampler = train_sampler(len(self.train_source), cfg, rank, world_size, root / "train")
         super().__init__(len(classes), len(self.train_source), len(self.val_source),
                          self.sampler.num_items // self.sampler.global_batch)
         self.rank, self.world_size = rank, world_size

@@ -142,6 +142,19 @@ class _EvalSet(_TrainSet):
             return None, -1, [self.source.name(index)]
 
 
+def open_split(root: Path, split: str, classes: list[str]):
+    """The samples of one split: tar shards when the folder holds them, else an ImageFolder tree."""
+    return ShardSource(root / split) if is_shard_tree(root) else FolderSource(root / split, classes)
+
+
+def train_sampler(num_items: int, cfg, rank: int, world_size: int, where: Path) -> TrainBatchSampler:
+    sampler = TrainBatchSampler(num_items, cfg.batch_size, rank, world_size, cfg.seed)
+    if num_items < sampler.global_batch:
+        raise DataError(f"{where} has {num_items} images, fewer than one global batch of {sampler.global_batch}; "
+                        "lower --batch-size")
+    return sampler
+
+
 def _collate(items):
     """(uint8 images, labels, paths skipped) from the readable items of a batch."""
     good = [(image, label) for image, label, _ in items if image is not None]
@@ -189,14 +202,9 @@ class TorchLoader(Loader):
                               T.RandomHorizontalFlip(), T.PILToTensor()])
         val_tf = T.Compose([T.Resize(round(size / EVAL_CROP_FRACTION), antialias=True),
                             T.CenterCrop(size), T.PILToTensor()])
-        source = (lambda split: ShardSource(root / split)) if is_shard_tree(root) else \
-            (lambda split: FolderSource(root / split, classes))
-        self.train_set = _TrainSet(source("train"), train_tf)
-        self.val_set = _EvalSet(source("val"), val_tf)
-        self.sampler = TrainBatchSampler(len(self.train_set), cfg.batch_size, rank, world_size, cfg.seed)
-        if self.sampler.num_items < self.sampler.global_batch:
-            raise DataError(f"{root / 'train'} has {self.sampler.num_items} images, fewer than one global batch "
-                            f"of {self.sampler.global_batch}; lower --batch-size")
+        self.train_set = _TrainSet(open_split(root, "train", classes), train_tf)
+        self.val_set = _EvalSet(open_split(root, "val", classes), val_tf)
+        self.sampler = train_sampler(len(self.train_set), cfg, rank, world_size, root / "train")
         super().__init__(len(classes), len(self.train_set), len(self.val_set),
                          self.sampler.num_items // self.sampler.global_batch)
         if self.train_set.source.targets is not None:
