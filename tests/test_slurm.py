@@ -58,7 +58,9 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     released = False
     while time.time() < deadline:
         state = job_state(env, job_id)
-        if state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT") and state.get("Restarts") == "1":
+        second_attempt = "(restart 1)" in "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+        # the first attempt ends killed by its own requeue (briefly FAILED); wait for the second one's end
+        if second_attempt and state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             break
         if state.get("JobState") == "PENDING" and state.get("Restarts") == "1" and not released:
             # Slurm holds a requeued job back for about two minutes; let it start now
