@@ -63,7 +63,9 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
         if second_attempt and state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
             break
         if state.get("JobState") == "PENDING" and state.get("Restarts") == "1" and not released:
-            # Slurm holds a requeued job back for about two minutes; let it start now
+            # Slurm holds a requeued job back for about two minutes; let it start sooner, but not within
+            # the second its old credential was revoked in (slurmd would refuse the new one)
+            time.sleep(3)
             subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=60)
             released = True
         time.sleep(0.5)
