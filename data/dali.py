@@ -13,26 +13,20 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from data.decode import complete_jpeg, complete_png
 from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, Loader, ShardSource,
                           open_split, train_sampler)
 from data.sharding import eval_batches
 
-JPEG_MAGIC, PNG_MAGIC = b"\xff\xd8", b"\x89PNG"
-
 
 def _encoded(source, index: int) -> bytes | None:
     """The file's bytes, or None when DALI could not decode it: empty, unreadable, not JPEG or PNG, or
-    truncated (a DALI decoder error would stop the whole pipeline, so files are checked first: a
-    JPEG ends with its EOI marker, which entropy-coded data never contains, a PNG with IEND)."""
+    truncated (a DALI decoder error would stop the whole pipeline, so files are checked first)."""
     try:
-        payload = source.read(index)[0] if isinstance(source, ShardSource) else open(source.name(index), "rb").read()
+        payload = source.read(index)[0]
     except OSError:
         return None
-    if payload[:2] == JPEG_MAGIC and b"\xff\xd9" in payload[-1024:]:
-        return payload
-    if payload[:4] == PNG_MAGIC and b"IEND" in payload[-16:]:
-        return payload
-    return None
+    return payload if complete_jpeg(payload) or complete_png(payload) else None
 
 
 class DaliLoader(Loader):

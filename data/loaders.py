@@ -2,16 +2,16 @@
 
 A Loader knows its sizes and yields device batches; the loop never asks which one it has.
 """
-import io
 import os
 from pathlib import Path
 
 import torch
 import torchvision
-from PIL import Image
 from torch.utils.data import DataLoader
-from torchvision.transforms import v2 as T
+from torchvision.transforms import RandomResizedCrop
+from torchvision.transforms.v2 import functional as TF
 
+from data.decode import BadImage, Encoded
 from data.shards import ShardSamples, is_shard_tree
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
@@ -24,20 +24,6 @@ EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre
 
 class DataError(ValueError):
     """The data given cannot be used; the message says what to do."""
-
-
-class BadImage(Exception):
-    """A file that is no readable image (zero bytes, truncated, not an image at all)."""
-
-
-def load_rgb(path, name: str | None = None) -> Image.Image:
-    """Any image PIL can read (JPEG, a PNG under a .JPEG name, CMYK, grayscale, palette) as RGB.
-    `path` is a file name or a file object (a shard member's bytes)."""
-    try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as err:
-        raise BadImage(f"{name or path} ({type(err).__name__})") from err
 
 
 def _classes(split_dir: Path) -> list[str]:
@@ -84,9 +70,10 @@ class FolderSource:
     def __len__(self) -> int:
         return len(self.samples)
 
-    def load(self, index: int) -> tuple[Image.Image, int]:
+    def read(self, index: int) -> tuple[bytes, int]:
         path, label = self.samples[index]
-        return load_rgb(path), label
+        with open(path, "rb") as f:
+            return f.read(), label
 
     def name(self, index: int) -> str:
         return self.samples[index][0]
@@ -96,9 +83,43 @@ class ShardSource(ShardSamples):
     """The (image, label) samples of one split's tar shards."""
     targets = None  # labels live inside the shards; reading them all up front would cost a pass
 
-    def load(self, index: int) -> tuple[Image.Image, int]:
-        payload, label = self.read(index)
-        return load_rgb(io.BytesIO(payload), self.name(index)), label
+
+class TrainCrop:
+    """Random-resized crop + horizontal flip, drawn from torch's RNG as torchvision draws them, of an
+    Encoded image: only the crop's region is decoded. Returns (size, size, 3) uint8."""
+
+    def __init__(self, size: int, scale: tuple[float, float], ratio: tuple[float, float]):
+        self.size, self.scale, self.ratio = size, scale, ratio
+
+    def __call__(self, image: Encoded) -> torch.Tensor:
+        shape_only = torch.empty(0, image.height, image.width)
+        top, left, height, width = RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
+        crop = image.region(top, left, height, width).permute(2, 0, 1)  # CHW view of HWC: channels_last
+        crop = torch.nn.functional.interpolate(crop[None], size=(self.size, self.size), mode="bilinear",
+                                               antialias=True)[0]
+        if torch.rand(1) < 0.5:
+            crop = crop.flip(-1)
+        return crop.permute(1, 2, 0)
+
+
+class EvalCrop:
+    """Resize the shorter side to size/0.875, centre crop: (size, size, 3) uint8."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __call__(self, image: Encoded) -> torch.Tensor:
+        pixels = TF.resize(image.region().permute(2, 0, 1), [round(self.size / EVAL_CROP_FRACTION)], antialias=True)
+        return TF.center_crop(pixels, [self.size]).permute(1, 2, 0)
+
+
+def _decoded(source, index: int, transform):
+    """(transform of the image, label), or BadImage when the file cannot be read or decoded."""
+    try:
+        payload, label = source.read(index)
+    except OSError as err:
+        raise BadImage(f"{source.name(index)} ({type(err).__name__})") from err
+    return transform(Encoded(payload, source.name(index))), label
 
 
 class _TrainSet(torch.utils.data.Dataset):
@@ -121,13 +142,15 @@ class _TrainSet(torch.utils.data.Dataset):
         skipped = []
         for attempt in range(len(self.source)):
             position = (index + attempt) % len(self.source)
+            # the CPU generator only: torch.manual_seed would also queue a lazy CUDA/XPU/MTIA seeding,
+            # with a formatted stack, on every call in a process that never initialises CUDA
+            torch.random.default_generator.manual_seed(seed)
             try:
-                image, label = self.source.load(position)
+                image, label = _decoded(self.source, position, self.transform)
             except BadImage:
                 skipped.append(self.source.name(position))
                 continue
-            torch.manual_seed(seed)
-            return self.transform(image), label, skipped
+            return image, label, skipped
         raise DataError("no readable training image at all")
 
 
@@ -136,8 +159,8 @@ class _EvalSet(_TrainSet):
 
     def __getitem__(self, index):
         try:
-            image, label = self.source.load(index)
-            return self.transform(image), label, []
+            image, label = _decoded(self.source, index, self.transform)
+            return image, label, []
         except BadImage:
             return None, -1, [self.source.name(index)]
 
@@ -192,18 +215,15 @@ class Loader:
 
 
 class TorchLoader(Loader):
-    """torchvision ImageFolder + DataLoader workers; uint8 crops travel, normalisation runs on the device."""
+    """ImageFolder trees or shards through DataLoader workers: each worker decodes only the crop's region
+    (data/decode.py), uint8 NHWC batches travel, normalisation runs on the device."""
 
     def __init__(self, cfg, classes, rank, world_size, device):
         root = Path(cfg.data_dir)
         size = cfg.image_size
-        train_tf = T.Compose([T.RandomResizedCrop(size, scale=(cfg.crop_min_scale, cfg.crop_max_scale),
-                                                    ratio=(cfg.crop_min_aspect, cfg.crop_max_aspect), antialias=True),
-                              T.RandomHorizontalFlip(), T.PILToTensor()])
-        val_tf = T.Compose([T.Resize(round(size / EVAL_CROP_FRACTION), antialias=True),
-                            T.CenterCrop(size), T.PILToTensor()])
-        self.train_set = _TrainSet(open_split(root, "train", classes), train_tf)
-        self.val_set = _EvalSet(open_split(root, "val", classes), val_tf)
+        train_crop = TrainCrop(size, (cfg.crop_min_scale, cfg.crop_max_scale), (cfg.crop_min_aspect, cfg.crop_max_aspect))
+        self.train_set = _TrainSet(open_split(root, "train", classes), train_crop)
+        self.val_set = _EvalSet(open_split(root, "val", classes), EvalCrop(size))
         self.sampler = train_sampler(len(self.train_set), cfg, rank, world_size, root / "train")
         super().__init__(len(classes), len(self.train_set), len(self.val_set),
                          self.sampler.num_items // self.sampler.global_batch)
@@ -216,17 +236,23 @@ class TorchLoader(Loader):
         self.train_loader = DataLoader(self.train_set, batch_sampler=self.sampler, collate_fn=_collate, **workers)
         self.val_loader = DataLoader(self.val_set, batch_sampler=eval_batches(len(self.val_set), cfg.batch_size, rank, world_size),
                                      collate_fn=_collate, **workers)
-        self.mean = torch.tensor(IMAGENET_MEAN, device=device).view(1, 3, 1, 1) * 255
-        self.inv_std = 1 / (torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255)
+        # (x - mean) / std as x * scale + shift, both whole channels_last images: a 3-vector broadcast
+        # along channels_last's innermost dimension does not vectorise on a CPU (3x slower there)
+        scale = 1 / (torch.tensor(IMAGENET_STD) * 255)
+        shift = -torch.tensor(IMAGENET_MEAN) * 255 * scale
+        self.scale, self.shift = (v.view(1, 3, 1, 1).expand(1, 3, size, size).contiguous(memory_format=torch.channels_last)
+                                  .to(device) for v in (scale, shift))
 
     def _on_device(self, batches):
         for images, labels, skipped in batches:
             self._note_skipped(skipped)
             if images is None:
                 continue
-            images = images.to(self.device, non_blocking=True).float().sub_(self.mean).mul_(self.inv_std)
-            if self.channels_last:
-                images = images.contiguous(memory_format=torch.channels_last)
+            # NHWC uint8 as NCHW is channels_last already; the float copy keeps that layout
+            images = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
+            images = images.mul_(self.scale).add_(self.shift)
+            if not self.channels_last:
+                images = images.contiguous()
             yield images, labels.to(self.device, non_blocking=True)
 
     def train_batches(self, epoch, start_step=0):

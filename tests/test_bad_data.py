@@ -10,7 +10,8 @@ from PIL import Image
 
 from conftest import read_metrics, run_train
 from data.embedded import ensure_embedded
-from data.loaders import BadImage, FolderSource, TorchLoader, _TrainSet, check_tree, load_rgb
+from data.decode import BadImage, load_rgb
+from data.loaders import FolderSource, TorchLoader, _TrainSet, check_tree
 from train.config import Config
 
 
