@@ -1,4 +1,6 @@
-"""The loaders behind `--loader`: torchvision (ImageFolder trees or tar shards) and synthetic.
+"""What every loader shares (the tree check, the sample sources, the sampler, the Loader interface),
+the synthetic loader, and build_loader behind `--loader`: torch (data/torch_loader.py), dali
+(data/dali.py) or synthetic.
 
 A Loader knows its sizes and yields device batches; the loop never asks which one it has.
 """
@@ -7,11 +9,7 @@ from pathlib import Path
 
 import torch
 import torchvision
-from torch.utils.data import DataLoader
-from torchvision.transforms import RandomResizedCrop
-from torchvision.transforms.v2 import functional as TF
 
-from data.decode import BadImage, Encoded
 from data.shards import ShardSamples, is_shard_tree
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
@@ -84,87 +82,6 @@ class ShardSource(ShardSamples):
     targets = None  # labels live inside the shards; reading them all up front would cost a pass
 
 
-class TrainCrop:
-    """Random-resized crop + horizontal flip, drawn from torch's RNG as torchvision draws them, of an
-    Encoded image: only the crop's region is decoded. Returns (size, size, 3) uint8."""
-
-    def __init__(self, size: int, scale: tuple[float, float], ratio: tuple[float, float]):
-        self.size, self.scale, self.ratio = size, scale, ratio
-
-    def __call__(self, image: Encoded) -> torch.Tensor:
-        shape_only = torch.empty(0, image.height, image.width)
-        top, left, height, width = RandomResizedCrop.get_params(shape_only, self.scale, self.ratio)
-        crop = image.region(top, left, height, width).permute(2, 0, 1)  # CHW view of HWC: channels_last
-        crop = torch.nn.functional.interpolate(crop[None], size=(self.size, self.size), mode="bilinear",
-                                               antialias=True)[0]
-        if torch.rand(1) < 0.5:
-            crop = crop.flip(-1)
-        return crop.permute(1, 2, 0)
-
-
-class EvalCrop:
-    """Resize the shorter side to size/0.875, centre crop: (size, size, 3) uint8."""
-
-    def __init__(self, size: int):
-        self.size = size
-
-    def __call__(self, image: Encoded) -> torch.Tensor:
-        pixels = TF.resize(image.region().permute(2, 0, 1), [round(self.size / EVAL_CROP_FRACTION)], antialias=True)
-        return TF.center_crop(pixels, [self.size]).permute(1, 2, 0)
-
-
-def _decoded(source, index: int, transform):
-    """(transform of the image, label), or BadImage when the file cannot be read or decoded."""
-    try:
-        payload, label = source.read(index)
-    except OSError as err:
-        raise BadImage(f"{source.name(index)} ({type(err).__name__})") from err
-    return transform(Encoded(payload, source.name(index))), label
-
-
-class _TrainSet(torch.utils.data.Dataset):
-    """Training items keyed by (index, augmentation seed).
-
-    Seeding torch's RNG per sample makes augmentation independent of worker count and
-    scheduling, which is what lets a resumed run repeat an uninterrupted one bit for bit.
-    An unreadable file is skipped and reported, and the next readable file (with its own label)
-    takes its place, so every rank's batch keeps its size and no label shifts.
-    """
-
-    def __init__(self, source, transform):
-        self.source, self.transform = source, transform
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def __getitem__(self, key):
-        index, seed = key
-        skipped = []
-        for attempt in range(len(self.source)):
-            position = (index + attempt) % len(self.source)
-            # the CPU generator only: torch.manual_seed would also queue a lazy CUDA/XPU/MTIA seeding,
-            # with a formatted stack, on every call in a process that never initialises CUDA
-            torch.random.default_generator.manual_seed(seed)
-            try:
-                image, label = _decoded(self.source, position, self.transform)
-            except BadImage:
-                skipped.append(self.source.name(position))
-                continue
-            return image, label, skipped
-        raise DataError("no readable training image at all")
-
-
-class _EvalSet(_TrainSet):
-    """Evaluation items; an unreadable file comes back as (None, label, [name]): counted, not evaluated."""
-
-    def __getitem__(self, index):
-        try:
-            image, label = _decoded(self.source, index, self.transform)
-            return image, label, []
-        except BadImage:
-            return None, -1, [self.source.name(index)]
-
-
 def open_split(root: Path, split: str, classes: list[str]):
     """The samples of one split: tar shards when the folder holds them, else an ImageFolder tree."""
     return ShardSource(root / split) if is_shard_tree(root) else FolderSource(root / split, classes)
@@ -176,15 +93,6 @@ def train_sampler(num_items: int, cfg, rank: int, world_size: int, where: Path) 
         raise DataError(f"{where} has {num_items} images, fewer than one global batch of {sampler.global_batch}; "
                         "lower --batch-size")
     return sampler
-
-
-def _collate(items):
-    """(uint8 images, labels, paths skipped) from the readable items of a batch."""
-    good = [(image, label) for image, label, _ in items if image is not None]
-    skipped = [path for _, _, paths in items for path in paths]
-    if not good:
-        return None, None, skipped
-    return torch.stack([image for image, _ in good]), torch.tensor([label for _, label in good]), skipped
 
 
 class Loader:
@@ -212,55 +120,6 @@ class Loader:
 
     def val_batches(self):
         raise NotImplementedError
-
-
-class TorchLoader(Loader):
-    """ImageFolder trees or shards through DataLoader workers: each worker decodes only the crop's region
-    (data/decode.py), uint8 NHWC batches travel, normalisation runs on the device."""
-
-    def __init__(self, cfg, classes, rank, world_size, device):
-        root = Path(cfg.data_dir)
-        size = cfg.image_size
-        train_crop = TrainCrop(size, (cfg.crop_min_scale, cfg.crop_max_scale), (cfg.crop_min_aspect, cfg.crop_max_aspect))
-        self.train_set = _TrainSet(open_split(root, "train", classes), train_crop)
-        self.val_set = _EvalSet(open_split(root, "val", classes), EvalCrop(size))
-        self.sampler = train_sampler(len(self.train_set), cfg, rank, world_size, root / "train")
-        super().__init__(len(classes), len(self.train_set), len(self.val_set),
-                         self.sampler.num_items // self.sampler.global_batch)
-        if self.train_set.source.targets is not None:
-            counts = torch.bincount(torch.tensor(self.train_set.source.targets, dtype=torch.int64), minlength=len(classes))
-            self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
-        self.device, self.channels_last = device, cfg.channels_last
-        pin = device.type == "cuda"
-        workers = dict(num_workers=cfg.workers, persistent_workers=cfg.workers > 0, pin_memory=pin)
-        self.train_loader = DataLoader(self.train_set, batch_sampler=self.sampler, collate_fn=_collate, **workers)
-        self.val_loader = DataLoader(self.val_set, batch_sampler=eval_batches(len(self.val_set), cfg.batch_size, rank, world_size),
-                                     collate_fn=_collate, **workers)
-        # (x - mean) / std as x * scale + shift, both whole channels_last images: a 3-vector broadcast
-        # along channels_last's innermost dimension does not vectorise on a CPU (3x slower there)
-        scale = 1 / (torch.tensor(IMAGENET_STD) * 255)
-        shift = -torch.tensor(IMAGENET_MEAN) * 255 * scale
-        self.scale, self.shift = (v.view(1, 3, 1, 1).expand(1, 3, size, size).contiguous(memory_format=torch.channels_last)
-                                  .to(device) for v in (scale, shift))
-
-    def _on_device(self, batches):
-        for images, labels, skipped in batches:
-            self._note_skipped(skipped)
-            if images is None:
-                continue
-            # NHWC uint8 as NCHW is channels_last already; the float copy keeps that layout
-            images = images.to(self.device, non_blocking=True).permute(0, 3, 1, 2).float()
-            images = images.mul_(self.scale).add_(self.shift)
-            if not self.channels_last:
-                images = images.contiguous()
-            yield images, labels.to(self.device, non_blocking=True)
-
-    def train_batches(self, epoch, start_step=0):
-        self.sampler.epoch, self.sampler.start_step = epoch, start_step
-        return self._on_device(self.train_loader)
-
-    def val_batches(self):
-        return self._on_device(self.val_loader)
 
 
 _VAL_STREAM = 1 << 45  # validation samples are indexed apart from any training index
@@ -298,6 +157,7 @@ def build_loader(cfg, rank: int, world_size: int, device: torch.device) -> Loade
     if cfg.loader == "synthetic":
         return SyntheticLoader(cfg, rank, world_size, device)
     if cfg.loader == "torch":
+        from data.torch_loader import TorchLoader
         return TorchLoader(cfg, check_tree(cfg.data_dir), rank, world_size, device)
     if cfg.loader == "dali":
         from data.dali import DaliLoader

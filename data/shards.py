@@ -73,7 +73,6 @@ class ShardSamples:
     def __init__(self, split_dir: Path):
         self.tars = sorted(Path(split_dir).glob("*.tar"))
         self.entries = [(t, sample) for t in self.tars for sample in read_index(t)]
-        self._files = {}
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -84,13 +83,8 @@ class ShardSamples:
 
     def read(self, index: int) -> tuple[bytes, int]:
         tar, sample = self.entries[index]
-        f = self._files.get(tar)
-        if f is None:  # one handle per shard and process (DataLoader workers each open their own)
-            f = self._files[tar] = open(tar, "rb")
         (jpg_offset, jpg_size), (cls_offset, cls_size) = sample["jpg"], sample["cls"]
-        f.seek(jpg_offset)
-        span = f.read(cls_offset + cls_size - jpg_offset)  # the label follows the image in the tar
+        # a handle per read: safe across loader threads, and a thousand shards stay under the descriptor limit
+        with open(tar, "rb", buffering=0) as f:
+            span = os.pread(f.fileno(), cls_offset + cls_size - jpg_offset, jpg_offset)  # the label follows the image
         return span[:jpg_size], int(span[cls_offset - jpg_offset:])
-
-    def __getstate__(self):  # file handles do not travel to worker processes
-        return {**self.__dict__, "_files": {}}

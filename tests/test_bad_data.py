@@ -11,7 +11,8 @@ from PIL import Image
 from conftest import read_metrics, run_train
 from data.embedded import ensure_embedded
 from data.decode import BadImage, load_rgb
-from data.loaders import FolderSource, TorchLoader, _TrainSet, check_tree
+from data.loaders import FolderSource, check_tree
+from data.torch_loader import TorchLoader, TrainCrop, train_item
 from train.config import Config
 
 
@@ -61,10 +62,11 @@ def test_bad_files_are_replaced_by_the_next_readable_file_with_its_own_label(bad
     classes = check_tree(str(bad_tree))
     assert classes[-1] == "zz_empty" and len(classes) == 4
     source = FolderSource(bad_tree / "train", classes)
-    folder = _TrainSet(source, transform=lambda image: image)
+    crop = TrainCrop(16, (0.08, 1.0), (3 / 4, 4 / 3))
     skipped_seen = set()
     for index, (path, label) in enumerate(source.samples):
-        image, got_label, skipped = folder[(index, 0)]
+        image, got_label, skipped = train_item(source, index, 0, crop)
+        assert image.shape == (3, 16, 16) and image.dtype == torch.uint8
         skipped_seen.update(os.path.basename(p) for p in skipped)
         used = index + len(skipped)
         assert got_label == source.samples[used % len(source.samples)][1]  # the label of the file used

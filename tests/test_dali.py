@@ -10,7 +10,8 @@ from PIL import Image
 
 from conftest import read_metrics, run_train
 from data.dali import DaliLoader
-from data.loaders import TorchLoader, check_tree
+from data.loaders import check_tree
+from data.torch_loader import TorchLoader
 from train.config import Config
 
 STD_255 = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
@@ -104,7 +105,7 @@ def test_crop_area_and_aspect_settings_reach_both_pipelines(tmp_path):
         order = [i for batch in loader.sampler for i, _ in batch]
         crops = torch.cat([images for images, _ in loader.train_batches(epoch=0)])
         for crop, index in zip(crops, order):
-            path = loader.train_source.name(index) if hasattr(loader, "train_source") else loader.train_set.source.name(index)
+            path = loader.train_source.name(index)
             reference = torch.tensor(np.asarray(Image.open(path).convert("RGB").resize((32, 32), Image.BILINEAR)),
                                      dtype=torch.float32).permute(2, 0, 1)
             pixels = crop * STD_255[0] + torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1) * 255

@@ -6,7 +6,8 @@ import torch
 from PIL import Image
 
 import data.embedded as embedded
-from data.loaders import TorchLoader, check_tree
+from data.loaders import check_tree
+from data.torch_loader import TorchLoader
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
 from train.config import Config
@@ -96,8 +97,8 @@ def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
     cfg = Config(data_dir=str(root), image_size=32, batch_size=8, workers=0)
     loader = TorchLoader(cfg, check_tree(str(root)), 0, 1, torch.device("cpu"))
     assert check_tree(str(root)) == sorted(embedded.CLASSES)
-    folders = [Path(path).parent.name for path, _ in loader.train_set.source.samples]
-    assert [sorted(embedded.CLASSES).index(f) for f in folders] == loader.train_set.source.targets
+    folders = [Path(path).parent.name for path, _ in loader.train_source.samples]
+    assert [sorted(embedded.CLASSES).index(f) for f in folders] == loader.train_source.targets
     assert loader.steps_per_epoch == 60 // 8
     images, labels = next(iter(loader.train_batches(epoch=0)))
     assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
@@ -108,4 +109,4 @@ def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
     assert torch.equal(images, again) and not torch.equal(images, other_epoch)
     # val: every image exactly once, with the label of its folder
     val_labels = torch.cat([y for _, y in loader.val_batches()])
-    assert val_labels.tolist() == loader.val_set.source.targets
+    assert val_labels.tolist() == loader.val_source.targets
