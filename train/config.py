@@ -22,7 +22,7 @@ class Config:
     # data
     data_dir: str = field(default="", metadata={"help": "ImageNet-layout tree (train/<class>/, val/<class>/); empty: the embedded dataset"})
     loader: str = field(default="torch", metadata={"help": "torch | dali | synthetic"})
-    workers: int = field(default=4, metadata={"help": "DataLoader worker processes per rank"})
+    workers: int = field(default=4, metadata={"help": "input threads per rank: the torch loader's decoding threads, DALI's CPU threads"})
     image_size: int = field(default=224, metadata={"help": "training and evaluation crop size in pixels"})
     crop_min_scale: float = field(default=0.08, metadata={"help": "smallest area fraction of random-resized-crop"})
     crop_max_scale: float = field(default=1.0, metadata={"help": "largest area fraction of random-resized-crop"})
