@@ -1,6 +1,7 @@
-"""GPU paths (fp16 with loss scaling, bf16 autocast and channels_last on cuDNN): marked `gpu` and
-skipped without CUDA; scripts/gpu_check.sh runs them where a GPU is lent. Their CPU twins are
-test_bf16_on_cpu_trains and the fp32 end-to-end tests."""
+"""GPU paths (fp16 with loss scaling, bf16 autocast and channels_last on cuDNN, DALI 'mixed'
+decoding, the torch loader's pinned batches): marked `gpu` and skipped without CUDA;
+scripts/gpu_check.sh runs them where a GPU is lent. Their CPU twins are test_bf16_on_cpu_trains,
+the fp32 end-to-end tests and test_dali.py's comparison of the two loaders."""
 import pytest
 import torch
 
@@ -31,3 +32,30 @@ def test_fp16_loss_scaler_skips_overflowing_steps():
     precision.backward_and_step((w * float("inf")).sum(), opt)  # overflow: the step must be skipped
     assert torch.equal(w.detach(), torch.ones(4, device=device))
     assert precision.scaler.get_scale() < 65536.0
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path):
+    """The GPU twin of test_dali.py's CPU comparison: nvJPEG ('mixed') against the torch loader's
+    pinned uint8 batches, both normalised on the GPU."""
+    pytest.importorskip("nvidia.dali")
+    from data.dali import DaliLoader
+    from data.embedded import ensure_embedded
+    from data.loaders import check_tree
+    from data.torch_loader import TorchLoader
+    from train.config import Config
+    root = ensure_embedded(train_per_class=4, val_per_class=3, root=tmp_path)
+    cfg = Config(data_dir=str(root), image_size=64, batch_size=8, workers=2)
+    device = torch.device("cuda", 0)
+    dali, torch_loader = (kind(cfg, check_tree(str(root)), 0, 1, device) for kind in (DaliLoader, TorchLoader))
+    std_255 = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
+    pairs = list(zip(dali.val_batches(), torch_loader.val_batches()))
+    assert sum(len(labels) for (_, labels), _ in pairs) == 30
+    for (a, labels_a), (b, labels_b) in pairs:
+        assert a.is_cuda and b.is_cuda and a.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(labels_a, labels_b)
+        levels = (a - b).abs() * std_255
+        assert levels.mean() < 6 and levels.max() < 40  # nvJPEG's IDCT and upsampling differ slightly from libjpeg's
+    images, labels = next(iter(dali.train_batches(epoch=0)))
+    assert images.shape == (8, 3, 64, 64) and images.is_cuda and labels.is_cuda
