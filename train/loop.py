@@ -105,7 +105,7 @@ def run(cfg: Config) -> dict:
     log.start(K.RUN_START)
     run_start = time.time()
 
-    result = {"top1": None, "top5": None, "reached_target": False, "evaluated_at_step": -1}
+    result = {"top1": None, "top5": None, "reached_target": False}
     bad_steps = torch.zeros((), dtype=torch.int64, device=device)  # consecutive non-finite losses
     stop = step >= cfg.max_steps > 0
     stop_signal = StopSignal()
@@ -313,8 +313,7 @@ def _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, 
                 seconds=round(time.time() - run_start, 3), top1=round(top1, 5), top5=round(top5, 5),
                 eval_images=total, eval_seconds=round(eval_seconds, 3), skipped_images=skipped)
     log.print(f"eval  {epoch_number:3d}/{cfg.epochs}  top-1 {top1:.4f}  top-5 {top5:.4f}  ({total} images, {eval_seconds:.1f} s)")
-    result.update(top1=top1, top5=top5, evaluated_at_step=step,
-                  reached_target=bool(cfg.target_accuracy and top1 >= cfg.target_accuracy))
+    result.update(top1=top1, top5=top5, reached_target=bool(cfg.target_accuracy and top1 >= cfg.target_accuracy))
 
 
 def _report_skipped(loader, engine, log, split: str) -> int:
