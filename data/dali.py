@@ -17,6 +17,7 @@ from data.decode import complete_jpeg, complete_png
 from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, Loader, ShardSource,
                           open_split, train_sampler)
 from data.sharding import eval_batches
+from train.precision import resolve
 
 
 def _encoded(source, index: int) -> bytes | None:
@@ -47,6 +48,10 @@ class DaliLoader(Loader):
         self.pipeline_kwargs = dict(num_threads=max(1, cfg.workers), device_id=device.index if gpu else None,
                                     prefetch_queue_depth=1)
         self.decode_device = "mixed" if gpu else "cpu"
+        # batches in the training precision where DALI has it: fp16 (V100s); DALI has no bf16, so
+        # bf16 and fp32 runs get fp32 and autocast casts at the first convolution
+        self.half = gpu and resolve(cfg.precision, device) == "fp16"
+        self.out_type = types.FLOAT16 if self.half else types.FLOAT
         self.pipeline_def = pipeline_def
 
     # the two pipelines -------------------------------------------------------------------------
@@ -61,7 +66,7 @@ class DaliLoader(Loader):
                                                    random_aspect_ratio=[cfg.crop_min_aspect, cfg.crop_max_aspect],
                                                    num_attempts=100)
             images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, antialias=True)
-            images = fn.crop_mirror_normalize(images, mirror=fn.random.coin_flip(), dtype=types.FLOAT,
+            images = fn.crop_mirror_normalize(images, mirror=fn.random.coin_flip(), dtype=self.out_type,
                                               output_layout="HWC", mean=[m * 255 for m in IMAGENET_MEAN],
                                               std=[s * 255 for s in IMAGENET_STD])
             return images, labels
@@ -75,7 +80,7 @@ class DaliLoader(Loader):
             jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
             images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB)
             images = fn.resize(images, resize_shorter=round(cfg.image_size / EVAL_CROP_FRACTION), antialias=True)
-            images = fn.crop_mirror_normalize(images, crop=(cfg.image_size, cfg.image_size), dtype=types.FLOAT,
+            images = fn.crop_mirror_normalize(images, crop=(cfg.image_size, cfg.image_size), dtype=self.out_type,
                                               output_layout="HWC", mean=[m * 255 for m in IMAGENET_MEAN],
                                               std=[s * 255 for s in IMAGENET_STD])
             return images, labels
@@ -109,7 +114,7 @@ class DaliLoader(Loader):
             except StopIteration:
                 return
             images = torch.as_tensor(np.asarray(images.as_cpu().as_tensor())) if self.device.type == "cpu" else \
-                _dali_to_torch(images.as_tensor(), self.device)
+                _dali_to_torch(images.as_tensor(), self.device, torch.float16 if self.half else torch.float32)
             labels = torch.as_tensor(np.asarray(labels.as_cpu().as_tensor())).reshape(-1).to(self.device)
             # DALI gives NHWC; as NCHW with channels_last strides this is the layout the model wants
             yield images.permute(0, 3, 1, 2), labels
@@ -138,8 +143,8 @@ class DaliLoader(Loader):
         return self._run(self._eval_pipeline(lambda: next(feed)))
 
 
-def _dali_to_torch(tensor, device):
+def _dali_to_torch(tensor, device, dtype):
     from nvidia.dali.plugin.pytorch import feed_ndarray
-    out = torch.empty(tensor.shape(), dtype=torch.float32, device=device)
+    out = torch.empty(tensor.shape(), dtype=dtype, device=device)
     feed_ndarray(tensor, out, cuda_stream=torch.cuda.current_stream(device))
     return out

@@ -36,7 +36,8 @@ def test_fp16_loss_scaler_skips_overflowing_steps():
 
 @pytest.mark.gpu
 @needs_cuda
-def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path):
+@pytest.mark.parametrize("precision", ["auto", "fp16"])
+def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path, precision):
     """The GPU twin of test_dali.py's CPU comparison: nvJPEG ('mixed') against the torch loader's
     pinned uint8 batches, both normalised on the GPU."""
     pytest.importorskip("nvidia.dali")
@@ -46,7 +47,7 @@ def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path):
     from data.torch_loader import TorchLoader
     from train.config import Config
     root = ensure_embedded(train_per_class=4, val_per_class=3, root=tmp_path)
-    cfg = Config(data_dir=str(root), image_size=64, batch_size=8, workers=2)
+    cfg = Config(data_dir=str(root), image_size=64, batch_size=8, workers=2, precision=precision)
     device = torch.device("cuda", 0)
     dali, torch_loader = (kind(cfg, check_tree(str(root)), 0, 1, device) for kind in (DaliLoader, TorchLoader))
     std_255 = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
@@ -54,8 +55,9 @@ def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path):
     assert sum(len(labels) for (_, labels), _ in pairs) == 30
     for (a, labels_a), (b, labels_b) in pairs:
         assert a.is_cuda and b.is_cuda and a.is_contiguous(memory_format=torch.channels_last)
+        assert a.dtype == (torch.float16 if precision == "fp16" else torch.float32)  # DALI has no bf16
         assert torch.equal(labels_a, labels_b)
-        levels = (a - b).abs() * std_255
+        levels = (a.float() - b).abs() * std_255
         assert levels.mean() < 6 and levels.max() < 40  # nvJPEG's IDCT and upsampling differ slightly from libjpeg's
     images, labels = next(iter(dali.train_batches(epoch=0)))
     assert images.shape == (8, 3, 64, 64) and images.is_cuda and labels.is_cuda
