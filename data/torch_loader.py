@@ -122,7 +122,8 @@ class TorchLoader(Loader):
         size = cfg.image_size
         self.train_crop = TrainCrop(size, (cfg.crop_min_scale, cfg.crop_max_scale), (cfg.crop_min_aspect, cfg.crop_max_aspect))
         self.eval_crop = EvalCrop(size)
-        self.device, self.size, self.channels_last = device, size, cfg.channels_last
+        self.device, self.size = device, size
+        self.layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
         self.pool = ThreadPoolExecutor(max(1, cfg.workers), thread_name_prefix="loader",
                                        initializer=_one_intra_op_thread)
         # (x - mean) / std as x * scale + shift, both whole channels_last images: a 3-vector broadcast
@@ -137,8 +138,7 @@ class TorchLoader(Loader):
         """NCHW: on a GPU a view of pinned NHWC uint8, on a CPU the normalised float batch itself."""
         if self.device.type == "cuda":
             return torch.empty(n, self.size, self.size, 3, dtype=torch.uint8, pin_memory=True).permute(0, 3, 1, 2)
-        layout = torch.channels_last if self.channels_last else torch.contiguous_format
-        return torch.empty(n, 3, self.size, self.size, memory_format=layout)
+        return torch.empty(n, 3, self.size, self.size, memory_format=self.layout)
 
     def _put(self, batch: torch.Tensor, slot: int, pixels: torch.Tensor) -> None:
         if batch.dtype == torch.uint8:
@@ -147,11 +147,9 @@ class TorchLoader(Loader):
             torch.addcmul(self.shift[0], pixels, self.scale[0], out=batch[slot])
 
     def _on_device(self, batch: torch.Tensor) -> torch.Tensor:
-        if batch.dtype == torch.uint8:
+        if batch.dtype == torch.uint8:  # a GPU run's pinned batch: normalised there
             batch = batch.to(self.device, non_blocking=True).float().mul_(self.scale).add_(self.shift)
-            if not self.channels_last:
-                batch = batch.contiguous()
-        return batch
+        return batch.contiguous(memory_format=self.layout)  # a copy only for a batch that lost a skipped image
 
     def _train_slot(self, batch, slot, key):
         pixels, label, skipped = train_item(self.train_source, *key, self.train_crop)

@@ -85,8 +85,9 @@ def test_loader_keeps_batch_sizes_counts_skips_and_evaluates_each_good_image_onc
     assert sizes == [4] * loader.steps_per_epoch
     count, examples = loader.take_skipped()
     assert count >= 1 and examples and all(os.path.basename(e) in BAD_NAMES for e in examples)
-    val_total = sum(len(labels) for _, labels in loader.val_batches())
-    assert val_total == loader.val_images - 1  # the zero-byte validation file is not evaluated
+    val = list(loader.val_batches())
+    assert sum(len(labels) for _, labels in val) == loader.val_images - 1  # the zero-byte file is not evaluated
+    assert all(images.is_contiguous(memory_format=torch.channels_last) for images, _ in val)  # the short batch too
     assert loader.take_skipped()[0] == 1
 
 
