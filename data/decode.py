@@ -44,7 +44,7 @@ _local = threading.local()  # a decoder must not be shared between threads
 
 def _nvimgcodec():
     """This thread's (module, decoder, params), or False where nvImageCodec is missing or fails.
-    One CPU thread each: DataLoader workers are the parallelism."""
+    One CPU thread each: the loader's threads are the parallelism."""
     if not hasattr(_local, "codec"):
         try:
             from nvidia import nvimgcodec
@@ -54,7 +54,7 @@ def _nvimgcodec():
             params = nvimgcodec.DecodeParams(apply_exif_orientation=False, color_spec=nvimgcodec.ColorSpec.SRGB,
                                              sample_format=nvimgcodec.SampleFormat.I_RGB)
             _local.codec = (nvimgcodec, decoder, params)
-        except (ImportError, RuntimeError):
+        except (ImportError, OSError, RuntimeError):  # not installed, or its libraries do not load here
             _local.codec = False
     return _local.codec
 

@@ -136,3 +136,14 @@ def test_stopping_early_drops_the_work_queued_for_later_batches(tmp_path):
     gate.set()
     loader.pool.submit(lambda: None).result(timeout=10)  # all queued before it has run or been dropped
     assert images.shape == (4, 3, 24, 24) and len(calls) == 5
+
+
+def test_without_nvimgcodec_pil_decodes_the_same_regions(monkeypatch):
+    monkeypatch.setattr(decode._local, "codec", False, raising=False)  # as on a machine without it
+    payload = encode(photo())
+    reference = torch.from_numpy(np.array(Image.open(io.BytesIO(payload)).convert("RGB")))
+    image = Encoded(payload, "jpeg")
+    assert image.stream is None and (image.height, image.width) == (203, 301)
+    assert torch.equal(image.region(17, 33, 100, 151), reference[17:117, 33:184])
+    out = TrainCrop(32, (0.08, 1.0), (3 / 4, 4 / 3))(image, seed=5)
+    assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
