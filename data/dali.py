@@ -14,20 +14,23 @@ import numpy as np
 import torch
 
 from data.decode import complete_jpeg, complete_png
-from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, Loader, ShardSource,
-                          open_split, train_sampler)
+from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, Loader, open_split,
+                          train_sampler)
 from data.sharding import eval_batches
 from train.precision import resolve
 
 
-def _encoded(source, index: int) -> bytes | None:
-    """The file's bytes, or None when DALI could not decode it: empty, unreadable, not JPEG or PNG, or
-    truncated (a DALI decoder error would stop the whole pipeline, so files are checked first)."""
+def _encoded(source, index: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the file's bytes, its label) as DALI takes them, or None when DALI could not decode the file:
+    empty, unreadable, not JPEG or PNG, or truncated (a DALI decoder error would stop the whole
+    pipeline, so files are checked first)."""
     try:
-        payload = source.read(index)[0]
+        payload, label = source.read(index)
     except OSError:
         return None
-    return payload if complete_jpeg(payload) or complete_png(payload) else None
+    if not (complete_jpeg(payload) or complete_png(payload)):
+        return None
+    return np.frombuffer(payload, dtype=np.uint8), np.array(label, dtype=np.int64)
 
 
 class DaliLoader(Loader):
@@ -93,17 +96,13 @@ class DaliLoader(Loader):
             for index, _ in batch:
                 for attempt in range(len(self.train_source)):  # as the torch loader: the next good file
                     position = (index + attempt) % len(self.train_source)
-                    payload = _encoded(self.train_source, position)
-                    if payload is not None:
+                    sample = _encoded(self.train_source, position)
+                    if sample is not None:
                         break
                     self._note_skipped([self.train_source.name(position)])
-                payloads.append(np.frombuffer(payload, dtype=np.uint8))
-                labels.append(np.array(self._label(self.train_source, position), dtype=np.int64))
+                payloads.append(sample[0])
+                labels.append(sample[1])
             yield payloads, labels
-
-    @staticmethod
-    def _label(source, index):
-        return source.read(index)[1] if isinstance(source, ShardSource) else source.samples[index][1]
 
     def _run(self, pipe):
         """Batches until the feed runs out (DALI passes the feed's StopIteration on from run())."""
@@ -129,12 +128,12 @@ class DaliLoader(Loader):
         for batch in self.eval_batches:
             payloads, labels = [], []
             for index in batch:
-                payload = _encoded(self.val_source, index)
-                if payload is None:  # counted, not evaluated
+                sample = _encoded(self.val_source, index)
+                if sample is None:  # counted, not evaluated
                     self._note_skipped([self.val_source.name(index)])
                     continue
-                payloads.append(np.frombuffer(payload, dtype=np.uint8))
-                labels.append(np.array(self._label(self.val_source, index), dtype=np.int64))
+                payloads.append(sample[0])
+                labels.append(sample[1])
             if payloads:
                 yield payloads, labels
 
