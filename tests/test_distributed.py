@@ -150,6 +150,16 @@ def test_preempted_run_resumes_by_itself_and_matches_an_uninterrupted_one(tmp_pa
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_two_ranks_tolerate_as_many_non_finite_steps_as_one_process(tmp_path):
+    args = [*SYNTHETIC, "--global-batch-size", 16, "--lr", 1e30, "--max-bad-steps", 4, "--epochs", 3]
+    one = run_train("--out-dir", "one", *args, cwd=tmp_path)
+    two = launch("torch", 2, "-m", "train", "--out-dir", "two", *args, "--bn-span", 2, "--engine", "torch", cwd=tmp_path)
+    assert one.returncode == 3 and two.returncode != 0, two.stderr[-3000:]
+    assert "loss was not finite for 4 consecutive steps" in one.stderr + two.stderr
+    logged = [sum(m["kind"] == "train" for m in read_metrics(tmp_path / run)) for run in ("one", "two")]
+    assert logged[0] == logged[1] >= 4  # the limit counts steps, not steps times ranks
+
+
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_fp16_gradient_allreduce_stays_close_to_fp32(engine, single_process_reference, tmp_path):
     result = launch(engine, 2, "-m", "train", "--out-dir", "run", *SYNTHETIC, "--global-batch-size", 16,

@@ -259,10 +259,9 @@ def _first_of_block(cfg: Config, epoch_number: int) -> bool:
 
 
 def _check_finite(bad_steps: torch.Tensor, cfg: Config, step: int, out_dir: Path, engine) -> None:
-    """Summed over ranks, so that every rank takes the same decision."""
-    streak = int(engine.all_reduce_sum(bad_steps.clone()).item())
-    if streak >= cfg.max_bad_steps:
-        raise Diverged(f"loss was not finite for {streak} consecutive steps (at step {step}); "
+    """Every rank stops once any rank's streak of non-finite losses reaches the limit."""
+    if engine.any(int(bad_steps.item()) >= cfg.max_bad_steps):
+        raise Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step {step}); "
                        f"stopped, last good checkpoint kept in {out_dir}; lower --lr")
 
 
