@@ -8,15 +8,12 @@ rank's slice of each global batch. Batches come out normalised, channels_last, o
 Augmentation randomness is DALI's own (seeded per rank and epoch), so bit-exact resume is a
 property of the torch loader only.
 """
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from data.decode import complete_jpeg, complete_png
-from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, Loader, open_split,
-                          train_sampler)
-from data.sharding import eval_batches
+from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader
 from train.precision import resolve
 
 
@@ -33,20 +30,14 @@ def _encoded(source, index: int) -> tuple[np.ndarray, np.ndarray] | None:
     return np.frombuffer(payload, dtype=np.uint8), np.array(label, dtype=np.int64)
 
 
-class DaliLoader(Loader):
+class DaliLoader(FileLoader):
     def __init__(self, cfg, classes, rank, world_size, device):
         try:
             from nvidia.dali import fn, pipeline_def, types
         except ImportError as err:
             raise DataError(f"--loader dali needs NVIDIA DALI ({err}); run scripts/setup.sh or use --loader torch")
-        self.fn, self.types, self.device, self.cfg = fn, types, device, cfg
-        root = Path(cfg.data_dir)
-        self.train_source, self.val_source = open_split(root, "train", classes), open_split(root, "val", classes)
-        self.sampler = train_sampler(len(self.train_source), cfg, rank, world_size, root / "train")
-        super().__init__(len(classes), len(self.train_source), len(self.val_source),
-                         self.sampler.num_items // self.sampler.global_batch)
-        self.rank, self.world_size = rank, world_size
-        self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
+        super().__init__(cfg, classes, rank, world_size)
+        self.fn, self.types, self.device, self.cfg, self.rank = fn, types, device, cfg, rank
         gpu = device.type == "cuda"
         self.pipeline_kwargs = dict(num_threads=max(1, cfg.workers), device_id=device.index if gpu else None,
                                     prefetch_queue_depth=1)

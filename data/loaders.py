@@ -87,14 +87,6 @@ def open_split(root: Path, split: str, classes: list[str]):
     return ShardSource(root / split) if is_shard_tree(root) else FolderSource(root / split, classes)
 
 
-def train_sampler(num_items: int, cfg, rank: int, world_size: int, where: Path) -> TrainBatchSampler:
-    sampler = TrainBatchSampler(num_items, cfg.batch_size, rank, world_size, cfg.seed)
-    if num_items < sampler.global_batch:
-        raise DataError(f"{where} has {num_items} images, fewer than one global batch of {sampler.global_batch}; "
-                        "lower --batch-size")
-    return sampler
-
-
 class Loader:
     """Sizes plus two iterators of device batches, and a tally of unreadable files skipped."""
     empty_classes: list[str] = []
@@ -120,6 +112,25 @@ class Loader:
 
     def val_batches(self):
         raise NotImplementedError
+
+
+class FileLoader(Loader):
+    """A loader of real files (the torch and DALI loaders): both splits' samples, the training
+    sampler shared by every reader, this rank's evaluation batches, and the empty class folders."""
+
+    def __init__(self, cfg, classes: list[str], rank: int, world_size: int):
+        root = Path(cfg.data_dir)
+        self.train_source, self.val_source = open_split(root, "train", classes), open_split(root, "val", classes)
+        self.sampler = TrainBatchSampler(len(self.train_source), cfg.batch_size, rank, world_size, cfg.seed)
+        if len(self.train_source) < self.sampler.global_batch:
+            raise DataError(f"{root / 'train'} has {len(self.train_source)} images, fewer than one global batch of "
+                            f"{self.sampler.global_batch}; lower --batch-size")
+        super().__init__(len(classes), len(self.train_source), len(self.val_source),
+                         len(self.train_source) // self.sampler.global_batch)
+        self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
+        if self.train_source.targets is not None:
+            counts = torch.bincount(torch.tensor(self.train_source.targets, dtype=torch.int64), minlength=len(classes))
+            self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
 
 
 _VAL_STREAM = 1 << 45  # validation samples are indexed apart from any training index

@@ -16,15 +16,12 @@ import math
 import random
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import torch
 from torchvision.transforms.v2 import functional as TF
 
 from data.decode import BadImage, Encoded
-from data.loaders import (EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, Loader, open_split,
-                          train_sampler)
-from data.sharding import eval_batches
+from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader
 
 BATCHES_IN_FLIGHT = 2  # the batch being consumed plus one being filled
 
@@ -108,17 +105,9 @@ def _one_intra_op_thread() -> None:
         pass
 
 
-class TorchLoader(Loader):
+class TorchLoader(FileLoader):
     def __init__(self, cfg, classes, rank, world_size, device):
-        root = Path(cfg.data_dir)
-        self.train_source, self.val_source = open_split(root, "train", classes), open_split(root, "val", classes)
-        self.sampler = train_sampler(len(self.train_source), cfg, rank, world_size, root / "train")
-        super().__init__(len(classes), len(self.train_source), len(self.val_source),
-                         self.sampler.num_items // self.sampler.global_batch)
-        if self.train_source.targets is not None:
-            counts = torch.bincount(torch.tensor(self.train_source.targets, dtype=torch.int64), minlength=len(classes))
-            self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
-        self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
+        super().__init__(cfg, classes, rank, world_size)
         size = cfg.image_size
         self.train_crop = TrainCrop(size, (cfg.crop_min_scale, cfg.crop_max_scale), (cfg.crop_min_aspect, cfg.crop_max_aspect))
         self.eval_crop = EvalCrop(size)
