@@ -129,7 +129,9 @@ def run(cfg: Config) -> dict:
                 precision.backward_and_step(loss, optimizer)
                 optimizer.zero_grad()  # sets .grad to None (Horovod's wrapper takes no arguments)
                 loss = loss.detach().float()
-                bad_steps = torch.where(torch.isfinite(loss), 0, bad_steps + 1)
+                finite = torch.isfinite(loss)
+                bad_steps = torch.where(finite, 0, bad_steps + 1)
+                loss = torch.where(finite, loss, 0.0)  # a non-finite loss is counted, not averaged in
                 window.add(loss)
                 epoch_meter.add(loss)
                 step, step_in_epoch = step + 1, step_in_epoch + 1
@@ -195,7 +197,7 @@ class LossMeter:
         self.total, self.steps, self.start = torch.zeros((), device=device), 0, time.time()
 
     def add(self, loss: torch.Tensor) -> None:
-        self.total += torch.where(torch.isfinite(loss), loss, 0.0)
+        self.total += loss
         self.steps += 1
 
     def mean(self, engine) -> float:
