@@ -20,6 +20,9 @@ from models import eval_flops_per_image, train_flops_per_image
 HPC_AI500_TARGET, HPC_AI500_POWER = 0.763, 5
 MLPERF_TARGET = 0.759
 IMAGENET_TRAIN_IMAGES = 1_281_167
+# The hyperparameters of the reference recipe: changing any of them moves a run to the system level.
+RECIPE_KEYS = ("optimizer", "global_batch_size", "epochs", "lr", "warmup_epochs", "end_lr", "lr_decay_power",
+               "weight_decay", "momentum", "lars_eta", "lars_epsilon", "label_smoothing")
 
 
 class ScoreError(Exception):
@@ -82,10 +85,11 @@ def hpc_ai500_level(config: dict) -> tuple[str, str]:
         return "free", f"the model changed ({config.get('arch')} at {config.get('image_size')} px; reference resnet50 at 224)"
     preset = str(config.get("preset", ""))
     if preset.startswith("mlperf-bs"):
-        from train.config import load_yaml_overrides, resolve_preset
-        reference = load_yaml_overrides(str(resolve_preset(preset)), "preset")
-        changed = [k for k in ("optimizer", "lr", "warmup_epochs", "weight_decay", "momentum", "label_smoothing",
-                               "global_batch_size") if k in reference and config.get(k) != reference[k]]
+        from train.config import Config, load_yaml_overrides, resolve_preset
+        # What the preset leaves out the run got from the trainer's defaults, so those are the reference too.
+        reference = {**asdict(Config()), **load_yaml_overrides(str(resolve_preset(preset)), "preset")}
+        # A key absent from the run's config.yaml (an older run) is unknown, not changed.
+        changed = [k for k in RECIPE_KEYS if config.get(k) is not None and config[k] != reference[k]]
         if not changed:
             return "hardware", f"the reference recipe {preset} unchanged; only the hardware differs"
         return "system", f"{preset} with {', '.join(changed)} changed (system software and hyperparameters)"
