@@ -1,34 +1,159 @@
 #!/usr/bin/env bash
 # GPU checks, for a machine with one CUDA GPU: the tests marked `gpu`, then one-GPU ResNet-50
 # training throughput (synthetic loader, 224 px, bf16 and fp16, batch 128 and 256).
-# Figures go to ${OUT:-gpu_figures}/gpu_figures.txt. Budget: well under 8 minutes on an H200.
-# Uses the machine's python3 (its own torch); mlperf-logging is installed from .whl/ if missing.
+# Uses the machine's own python3 and torch (PYTHON=... for another). Packages it lacks come from
+# .whl/ (scripts/gpu_wheels.sh fills it where PyPI is reachable), installed without network.
+# Writes to ${OUT:-gpu_figures}/: gpu_figures.txt (one line per gpu test with its outcome, then
+# the throughput), gpu_tests.xml and gpu_tests.log (pytest's). Under 8 minutes on an H200.
+# A gpu test skipped because DALI is not installed is reported as `DALI absent`, never as a pass;
+# any other skip fails the check, since CUDA is there.
+# Exit: 0 all passed; 1 a gpu test failed or was skipped, or a throughput run failed;
+#       2 nothing checked: no CUDA GPU visible, no torch, or mlperf-logging neither there nor in .whl/.
+#   bash scripts/gpu_check.sh --report JUNIT.xml   only the per-test report of a pytest JUnit file
 set -uo pipefail
-cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
+DALI_ABSENT="DALI absent"  # the skip reason of tests/test_gpu.py's DALI tests
+
+report_tests() {  # JUNIT.xml: one line per test; fails on a failure, a skip other than DALI's, or no test run
+    "$PY" - "$1" "$DALI_ABSENT" <<'PYEOF'
+import sys
+import xml.etree.ElementTree as ET
+
+junit, dali_absent = sys.argv[1:]
+try:
+    cases = list(ET.parse(junit).getroot().iter("testcase"))
+except (OSError, ET.ParseError) as err:
+    print(f"gpu tests: no pytest report ({err}): pytest did not finish")
+    sys.exit(1)
+counts = {"passed": 0, dali_absent: 0, "skipped": 0, "failed": 0}
+for case in cases:
+    failure = next((e for e in case if e.tag in ("failure", "error")), None)
+    skipped = case.find("skipped")
+    if failure is not None:
+        kind, outcome = "failed", "FAILED: " + (failure.get("message") or failure.tag).splitlines()[0][:200]
+    elif skipped is not None and (skipped.get("message") or "").strip() == dali_absent:
+        kind = outcome = dali_absent
+    elif skipped is not None:
+        kind, outcome = "skipped", f"SKIPPED: {skipped.get('message')} (not allowed: CUDA is there)"
+    else:
+        kind = outcome = "passed"
+    counts[kind] += 1
+    print(f"gpu test {case.get('classname')}::{case.get('name')}: {outcome} ({float(case.get('time') or 0):.1f} s)")
+good = counts["failed"] == counts["skipped"] == 0 and counts["passed"] > 0
+print("gpu tests: " + ", ".join(f"{n} {kind}" for kind, n in counts.items())
+      + ("" if good else " -> FAIL" + ("" if counts["passed"] else " (no gpu test passed)")))
+sys.exit(0 if good else 1)
+PYEOF
+}
+
+if [ "${1:-}" = --report ]; then
+    report_tests "${2:?usage: gpu_check.sh --report JUNIT.xml}"
+    exit
+fi
+
+cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_figures}
 mkdir -p "$OUT"
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-if ! "$PY" -c "import mlperf_logging" 2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
-    "$PY" -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
 figures="$OUT/gpu_figures.txt"
-{
-    echo "# gpu_check $(date -u +%FT%TZ)"
-    "$PY" -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name(0))"
-} | tee "$figures"
+DEADLINE=$((SECONDS + 470))  # the whole check stays under 8 minutes, whatever hangs
+budget() { local left=$((DEADLINE - SECONDS)); left=$((left < $1 ? left : $1)); echo $((left > 1 ? left : 1)); }
+note() { echo "$*" | tee -a "$figures"; }
+fail_setup() { echo "error: $*" | tee -a "$figures" >&2; exit 2; }
+echo "# gpu_check $(date -u +%FT%TZ)" | tee "$figures"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 
-timeout 240 "$PY" -m pytest -q -m gpu tests 2>&1 | tail -n 5 | tee -a "$figures"
+# Without CUDA every gpu test would be skipped: say so and stop, rather than report a pass.
+timeout 150 "$PY" -c "
+import sys
+try:
+    import torch
+except ImportError:
+    sys.exit(3)
+sys.exit(0 if torch.cuda.is_available() else 4)"
+case $? in
+    0) ;;
+    3) fail_setup "$PY has no torch" ;;
+    4) fail_setup "no CUDA GPU visible" ;;
+    *) fail_setup "$PY could not say whether CUDA is there" ;;
+esac
+
+# The wheels whose distribution this python lacks, installed into /tmp/site without network and
+# put on PYTHONPATH (the tests' child processes keep it after the repository).
+shopt -s nullglob
+wheels=(.whl/*.whl)
+mapfile -t missing < <(timeout 60 "$PY" - "${wheels[@]}" <<'PYEOF'
+import sys
+from importlib import metadata
+for wheel in sys.argv[1:]:
+    try:
+        metadata.version(wheel.rsplit("/", 1)[-1].split("-")[0])
+    except metadata.PackageNotFoundError:
+        print(wheel)
+PYEOF
+)
+if [ "${#missing[@]}" -gt 0 ]; then
+    timeout 180 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site "${missing[@]}" || fail_setup "could not install ${missing[*]} into /tmp/site"
+    export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+timeout 60 "$PY" -c "import mlperf_logging" 2>/dev/null \
+    || fail_setup "mlperf_logging is missing: run scripts/gpu_wheels.sh where PyPI is reachable and carry .whl"
+
+timeout 120 "$PY" - <<'PYEOF' | tee -a "$figures"
+import importlib
+from importlib import metadata
+import torch
+
+def version(module, dist=None):
+    try:
+        loaded = importlib.import_module(module)
+    except ModuleNotFoundError:
+        return "absent"
+    except Exception as err:  # installed, but it does not load here
+        return f"broken ({type(err).__name__}: {err})"
+    return metadata.version(dist) if dist else getattr(loaded, "__version__", "present")
+
+print(f"torch {torch.__version__} | {torch.cuda.get_device_name(0)} | mlperf-logging {version('mlperf_logging', 'mlperf-logging')}"
+      f" | nvImageCodec {version('nvidia.nvimgcodec')} | DALI {version('nvidia.dali')}")
+PYEOF
+
+# The gpu tests, one line each in the figures from pytest's JUnit report.
+junit="$OUT/gpu_tests.xml"
+rm -f "$junit"
+timeout -k 10 "$(budget 240)" "$PY" -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$junit" tests \
+    >"$OUT/gpu_tests.log" 2>&1
+pytest_rc=$?
+report_tests "$junit" | tee -a "$figures"
 tests_rc=${PIPESTATUS[0]}
+if [ "$pytest_rc" -ne 0 ]; then
+    note "pytest exited $pytest_rc$(case $pytest_rc in 124 | 137) echo ' (timed out)' ;; esac); its output: $OUT/gpu_tests.log"
+    tests_rc=1
+fi
 
 runs=$(mktemp -d)
+runs_rc=0
 for precision in bf16 fp16; do
     for batch in 128 256; do
-        timeout 150 "$PY" -m train --out-dir "$runs/$precision-$batch" --loader synthetic --arch resnet50 \
+        run="$runs/$precision-$batch"
+        limit=$(budget 150)
+        if [ "$limit" -lt 30 ]; then
+            note "resnet50 224px $precision batch $batch: not run, the 8-minute budget is spent"
+            runs_rc=1
+            continue
+        fi
+        # -k: the trainer takes SIGTERM as preemption and checkpoints first; don't wait for that long
+        timeout -k 10 "$limit" "$PY" -m train --out-dir "$run" --loader synthetic --arch resnet50 \
             --image-size 224 --batch-size "$batch" --global-batch-size 0 --precision "$precision" \
             --synthetic-images 10000000 --max-steps 120 --log-every 20 --eval-every 0 --workers 0 \
-            >"$runs/$precision-$batch.log" 2>&1 || { echo "run $precision batch $batch failed:"; tail -n 3 "$runs/$precision-$batch.log"; }
-        "$PY" - "$runs/$precision-$batch" "$precision" "$batch" <<'PYEOF' | tee -a "$figures"
+            >"$run.log" 2>&1
+        rc=$?
+        if [ "$rc" -ne 0 ]; then
+            note "resnet50 224px $precision batch $batch: run failed (exit $rc), last lines:"
+            tail -n 3 "$run.log" | tee -a "$figures"
+            runs_rc=1
+            continue
+        fi
+        timeout 60 "$PY" - "$run" "$precision" "$batch" <<'PYEOF' | tee -a "$figures" || runs_rc=1
 import json, sys
 from pathlib import Path
 run_dir, precision, batch = sys.argv[1:]
@@ -40,4 +165,10 @@ print(f"resnet50 224px {precision} batch {batch}: {rate:.0f} img/s (steps {first
 PYEOF
     done
 done
-exit "$tests_rc"
+rm -rf "$runs"
+
+if [ "$tests_rc" -ne 0 ] || [ "$runs_rc" -ne 0 ]; then
+    note "gpu_check: FAIL (tests $([ "$tests_rc" -eq 0 ] && echo ok || echo failed), throughput runs $([ "$runs_rc" -eq 0 ] && echo ok || echo failed)) after ${SECONDS} s"
+    exit 1
+fi
+note "gpu_check: ok after ${SECONDS} s"

@@ -1,13 +1,29 @@
 """GPU paths (fp16 with loss scaling, bf16 autocast and channels_last on cuDNN, DALI 'mixed'
 decoding, the torch loader's pinned batches): marked `gpu` and skipped without CUDA;
 scripts/gpu_check.sh runs them where a GPU is lent. Their CPU twins are test_bf16_on_cpu_trains,
-the fp32 end-to-end tests and test_dali.py's comparison of the two loaders."""
+the fp32 end-to-end tests and test_dali.py's comparison of the two loaders.
+The last tests run on a CPU: how scripts/gpu_check.sh reports these tests and refuses a machine without CUDA."""
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
-from conftest import read_metrics, run_train
+from conftest import REPO, read_metrics, run_train
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DALI_ABSENT = "DALI absent"  # scripts/gpu_check.sh reports this skip as such, and fails on any other
+
+
+def require_dali():
+    """Skip with DALI_ABSENT where DALI is not installed; an installed DALI that fails to load fails."""
+    try:
+        import nvidia.dali  # noqa: F401
+    except ModuleNotFoundError as err:
+        if err.name not in ("nvidia", "nvidia.dali"):
+            raise
+        pytest.skip(DALI_ABSENT)
 
 
 @pytest.mark.gpu
@@ -40,7 +56,7 @@ def test_fp16_loss_scaler_skips_overflowing_steps():
 def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path, precision):
     """The GPU twin of test_dali.py's CPU comparison: nvJPEG ('mixed') against the torch loader's
     pinned uint8 batches, both normalised on the GPU."""
-    pytest.importorskip("nvidia.dali")
+    require_dali()
     from data.dali import DaliLoader
     from data.embedded import ensure_embedded
     from data.loaders import check_tree
@@ -61,3 +77,56 @@ def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path, 
         assert levels.mean() < 6 and levels.max() < 40  # nvJPEG's IDCT and upsampling differ slightly from libjpeg's
     images, labels = next(iter(dali.train_batches(epoch=0)))
     assert images.shape == (8, 3, 64, 64) and images.is_cuda and labels.is_cuda
+
+
+def gpu_check(*args, **env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *map(str, args)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, **env})
+
+
+FAKE_GPU_TESTS = f"""
+import pytest
+def test_ran(): pass
+@pytest.mark.parametrize("precision", ["auto", "fp16"])
+def test_dali(precision): pytest.skip({DALI_ABSENT!r})
+"""
+
+
+@pytest.mark.parametrize("extra, verdict", [
+    ("", 0),
+    ("def test_no_gpu(): pytest.skip('needs a CUDA GPU')", 1),
+    ("def test_broken(): assert 1 == 2", 1),
+])
+def test_gpu_check_reports_dali_absent_and_fails_on_other_skips(tmp_path, extra, verdict):
+    """A real pytest JUnit report, read the way gpu_check.sh reads the gpu tests' one."""
+    (tmp_path / "test_fake.py").write_text(FAKE_GPU_TESTS + extra + "\n")
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "junit.xml"],
+                   cwd=tmp_path, capture_output=True, timeout=120)
+    result = gpu_check("--report", tmp_path / "junit.xml")
+    lines = result.stdout.splitlines()
+    assert result.returncode == verdict, result.stdout + result.stderr
+    assert "gpu test test_fake::test_ran: passed" in result.stdout
+    assert sum(line.startswith("gpu test test_fake::test_dali[") and f": {DALI_ABSENT} (" in line
+               for line in lines) == 2
+    if "skip" in extra:
+        assert "gpu test test_fake::test_no_gpu: SKIPPED: needs a CUDA GPU" in result.stdout
+    if "assert" in extra:
+        assert "gpu test test_fake::test_broken: FAILED" in result.stdout
+    assert lines[-1].startswith("gpu tests: ") and lines[-1].endswith("-> FAIL") == bool(verdict)
+
+
+def test_gpu_check_fails_without_a_report_or_a_test_that_ran(tmp_path):
+    assert gpu_check("--report", tmp_path / "missing.xml").returncode == 1
+    (tmp_path / "test_fake.py").write_text(FAKE_GPU_TESTS)
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--junitxml", "junit.xml",
+                    "-k", "dali"], cwd=tmp_path, capture_output=True, timeout=120)
+    result = gpu_check("--report", tmp_path / "junit.xml")
+    assert result.returncode == 1 and "no gpu test passed" in result.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")
+def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
+    result = gpu_check(OUT=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip() == "error: no CUDA GPU visible"
+    assert (tmp_path / "gpu_figures.txt").read_text().splitlines()[-1] == "error: no CUDA GPU visible"
