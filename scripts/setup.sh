@@ -10,6 +10,7 @@
 #   TORCH=pinned|keep   keep = use the interpreter's own torch (NGC containers)
 #   DALI_PACKAGE=nvidia-dali-cuda130|nvidia-dali-cuda120|none
 #   SKIP_HOROVOD=1      no Horovod build (it takes a few minutes the first time)
+#   SKIP_MPI=1          no Open MPI from Debian (Horovod is then built with gloo only)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=${VENV:-.venv}
@@ -41,6 +42,12 @@ if [ -z "$stamp" ] || [ ! -f "$stamp" ]; then
         rm -f "$VENV"/.setup-*
         touch "$stamp"
     fi
+fi
+# Open MPI (mpirun, and mpicxx for Horovod's MPI build): Debian's packages, as root, when missing
+if [ -z "${SKIP_MPI:-}" ] && ! command -v mpicxx >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    echo "setup: installing Open MPI (openmpi-bin, libopenmpi-dev)" >&2
+    apt-get update -qq >/dev/null
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev >/dev/null
 fi
 if [ -z "${SKIP_HOROVOD:-}" ]; then
     PYTHON="$py" bash scripts/install_horovod.sh

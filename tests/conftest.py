@@ -23,10 +23,10 @@ def private_cache(tmp_path_factory):
         os.environ["TRAINER_CACHE_DIR"] = old
 
 
-def run_train(*args, cwd, timeout=600) -> subprocess.CompletedProcess:
+def run_train(*args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
     """`python -m train ARGS` in a fresh process, as a user would run it."""
     return subprocess.run([sys.executable, "-m", "train", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+                          text=True, timeout=timeout, env=child_env(**(env or {})))
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -42,19 +42,28 @@ def compliance(mllog: Path, cwd: Path) -> subprocess.CompletedProcess:
 BIN = Path(sys.executable).parent
 
 
-def launch_command(engine: str, nproc: int, *args) -> list[str]:
-    """The real launcher's command line: torchrun, horovodrun (gloo) or a plain process."""
+def child_env(**extra) -> dict:
+    """This environment, with the checkout first on PYTHONPATH (what was there stays after it)."""
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def launch_command(launcher: str, nproc: int, *args) -> list[str]:
+    """The real launcher's command line: torchrun ("torch"), horovodrun with gloo ("horovod") or MPI
+    ("horovod-mpi"), Open MPI's mpirun ("mpirun"), or a plain process ("none")."""
     args = list(map(str, args))
-    if engine == "torch":
+    if launcher == "torch":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
                 "--master-port", str(29400 + os.getpid() % 500), *args]
-    if engine == "horovod":
-        return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}", "--gloo",
-                sys.executable, *args]
+    if launcher in ("horovod", "horovod-mpi"):
+        return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}",
+                "--gloo" if launcher == "horovod" else "--mpi", sys.executable, *args]
+    if launcher == "mpirun":
+        return ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(nproc), sys.executable, *args]
     assert nproc == 1
     return [sys.executable, *args]
 
 
-def launch(engine: str, nproc: int, *args, cwd, timeout=600) -> subprocess.CompletedProcess:
-    return subprocess.run(launch_command(engine, nproc, *args), cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+def launch(launcher: str, nproc: int, *args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
+    return subprocess.run(launch_command(launcher, nproc, *args), cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout, env=child_env(**(env or {})))

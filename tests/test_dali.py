@@ -42,7 +42,7 @@ def loaders(root, **overrides):
 
 def test_eval_crops_and_labels_agree_with_torchvision(smooth_tree):
     dali, torch_loader = loaders(smooth_tree)
-    pairs = list(zip(dali.val_batches(), torch_loader.val_batches()))
+    pairs = list(zip(dali.val_batches(), torch_loader.val_batches(), strict=True))
     assert sum(len(b[1]) for b, _ in pairs) == 15
     for (a, labels_a), (b, labels_b) in pairs:
         assert torch.equal(labels_a, labels_b)
@@ -104,7 +104,7 @@ def test_crop_area_and_aspect_settings_reach_both_pipelines(tmp_path):
         loader.sampler.epoch = 0
         order = [i for batch in loader.sampler for i, _ in batch]
         crops = torch.cat([images for images, _ in loader.train_batches(epoch=0)])
-        for crop, index in zip(crops, order):
+        for crop, index in zip(crops, order, strict=True):
             path = loader.train_source.name(index)
             reference = torch.tensor(np.asarray(Image.open(path).convert("RGB").resize((32, 32), Image.BILINEAR)),
                                      dtype=torch.float32).permute(2, 0, 1)

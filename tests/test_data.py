@@ -64,7 +64,7 @@ def test_train_sharding_covers_each_sample_once_per_epoch(world):
 def test_global_batches_do_not_depend_on_rank_count():
     one = TrainBatchSampler(64, 8, 0, 1, seed=1)
     two = [TrainBatchSampler(64, 4, r, 2, seed=1) for r in range(2)]
-    for step_one, step_r0, step_r1 in zip(one, two[0], two[1]):
+    for step_one, step_r0, step_r1 in zip(one, two[0], two[1], strict=True):
         assert step_one == step_r0 + step_r1  # same files, same augmentation seeds
 
 

@@ -89,7 +89,7 @@ def test_global_batch_larger_than_the_dataset(tmp_path):
 
 
 def test_resume_without_a_run(tmp_path):
-    expect_usage_error(tmp_path, "--resume", match="no config.yaml to resume")
+    expect_usage_error(tmp_path, "--resume", match="no config.yaml for --resume")
 
 
 def test_existing_run_is_not_overwritten(tmp_path):
@@ -114,3 +114,15 @@ def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
     assert '"status": "aborted"' in (tmp_path / "run" / "mllog.txt").read_text().splitlines()[-1]
+
+
+def test_one_process_refuses_a_bn_span_it_does_not_have(tmp_path):
+    expect_usage_error(tmp_path, "--bn-span", 2, *TINY, match="--bn-span 2 does not divide the 1 rank(s)")
+
+
+def test_an_unknown_flag_is_one_line(tmp_path):
+    expect_usage_error(tmp_path, "--learning-rate", 3, match="unrecognized arguments: --learning-rate")
+
+
+def test_test_only_without_a_run(tmp_path):
+    expect_usage_error(tmp_path, "--test-only", match="no config.yaml for --test-only")

@@ -49,7 +49,7 @@ def test_lars_matches_reference_formula(eps):
         opt.step()
         reference_lars_step(ref_regular, [g.double() for g in grads[:4]], ref_buffers[:4], lr, 0.9, 1e-4, 0.001, eps, False)
         reference_lars_step(ref_excluded, [g.double() for g in grads[4:]], ref_buffers[4:], lr, 0.9, 1e-4, 0.001, eps, True)
-        for got, want in zip(params, ref_regular + ref_excluded):
+        for got, want in zip(params, ref_regular + ref_excluded, strict=True):
             torch.testing.assert_close(got.detach().double(), want, rtol=1e-5, atol=1e-6)
 
 
@@ -115,7 +115,7 @@ def test_state_dict_round_trip_continues_identically():
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as if read back from a file
     for m, o in ((model, opt), (twin, twin_opt)):
         m(x).sum().backward(); o.step()
-    for a, b in zip(model.parameters(), twin.parameters()):
+    for a, b in zip(model.parameters(), twin.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -1,7 +1,7 @@
 """An interrupted run, resumed, ends with bit-identical weights to an uninterrupted one (CPU)."""
 import torch
 
-from conftest import run_train
+from conftest import read_metrics, run_train
 
 RUN = ["--arch", "resnet18", "--epochs", 2, "--workers", 2, "--log-every", 4]
 
@@ -27,3 +27,26 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path):
         assert torch.equal(a["model"][key], b["model"][key]), key
     for key, state in a["optimizer"]["state"].items():
         assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
+
+
+def test_fp16_loss_scaler_state_resumes(tmp_path):
+    """fp16 with loss scaling on CPU (allowed for tests): the scaler's state travels in the checkpoint,
+    so a run interrupted after an overflow halved the scale ends where an uninterrupted one does."""
+    args = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,
+            "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 2, "--eval-every", 0, "--precision", "fp16",
+            "--log-every", 1]
+    env = {"TRAINER_ALLOW_CPU_FP16": "1"}
+    whole = run_train("--out-dir", "whole", *args, cwd=tmp_path, env=env)
+    assert whole.returncode == 0, whole.stderr
+    scales = {m["step"]: m["loss_scale"] for m in read_metrics(tmp_path / "whole") if m["kind"] == "train"}
+    halved = min(step for step, scale in scales.items() if scale < 65536)  # the scaler's default start
+    assert halved < 8, scales
+    first = run_train("--out-dir", "parts", *args, "--max-steps", halved, cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr
+    second = run_train("--out-dir", "parts", "--resume", "--max-steps", 0, cwd=tmp_path, env=env)
+    assert second.returncode == 0, second.stderr
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "parts")
+    assert a["step"] == b["step"] == 8 and a["precision"] == b["precision"]
+    assert scales == {m["step"]: m["loss_scale"] for m in read_metrics(tmp_path / "parts") if m["kind"] == "train"}
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key

@@ -72,9 +72,9 @@ def test_torch_loader_gives_the_same_batches_from_shards_and_from_the_tree(tree,
     cfg = Config(image_size=32, batch_size=8, workers=0, seed=4)
     from_tree = TorchLoader(Config(**{**cfg.__dict__, "data_dir": str(tree)}), check_tree(str(tree)), 0, 1, torch.device("cpu"))
     from_shards = TorchLoader(Config(**{**cfg.__dict__, "data_dir": str(shards)}), check_tree(str(shards)), 0, 1, torch.device("cpu"))
-    for (a, la), (b, lb) in zip(from_tree.val_batches(), from_shards.val_batches()):
+    for (a, la), (b, lb) in zip(from_tree.val_batches(), from_shards.val_batches(), strict=True):
         assert torch.equal(la, lb) and torch.equal(a, b)
-    for (a, la), (b, lb) in zip(from_tree.train_batches(1), from_shards.train_batches(1)):
+    for (a, la), (b, lb) in zip(from_tree.train_batches(1), from_shards.train_batches(1), strict=True):
         assert torch.equal(la, lb) and torch.equal(a, b)  # same files, same seeds, same crops
 
 

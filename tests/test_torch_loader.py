@@ -113,7 +113,7 @@ def test_batches_do_not_depend_on_the_number_of_threads_and_leave_torch_threads_
         runs.append((list(loader.train_batches(epoch=2, start_step=1)), list(loader.val_batches())))
     (train_a, val_a), (train_b, val_b) = runs
     assert len(train_a) == 40 // 8 - 1 and sum(len(y) for _, y in val_a) == 20
-    for (xa, ya), (xb, yb) in zip(train_a + val_a, train_b + val_b):
+    for (xa, ya), (xb, yb) in zip(train_a + val_a, train_b + val_b, strict=True):
         assert torch.equal(xa, xb) and torch.equal(ya, yb)
     assert torch.get_num_threads() == threads_before  # the threads' one-thread setting stays theirs
 

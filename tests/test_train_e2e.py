@@ -1,13 +1,16 @@
 """End-to-end runs of the real CLI on the embedded dataset, a few steps each."""
 import re
+import resource
 import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 import torchvision
 import yaml
 
-from conftest import compliance, read_metrics, run_train
+from conftest import child_env, compliance, read_metrics, run_train
 from data.embedded import ensure_embedded
 from train.config import parse, preset_names
 
@@ -122,14 +125,61 @@ def test_lr_per_256_scales_with_the_global_batch(tmp_path):
     assert float(base_lr.group(1)) == pytest.approx(0.1 * 16 / 256)
 
 
-def test_bf16_on_cpu_trains(tmp_path):
-    result = run_train("--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 32,
-                       "--global-batch-size", 8, "--precision", "bf16", "--synthetic-images", 32, "--synthetic-classes", 10,
-                       "--max-steps", 4, "--log-every", 1, "--eval-every", 0, cwd=tmp_path)
+def test_bf16_on_cpu_computes_in_bf16(tmp_path):
+    args = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 32, "--global-batch-size", 8,
+            "--synthetic-images", 32, "--synthetic-classes", 10, "--max-steps", 3, "--log-every", 1, "--eval-every", 0]
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        result = run_train("--out-dir", precision, *args, "--precision", precision, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        runs[precision] = [m["loss"] for m in read_metrics(tmp_path / precision) if m["kind"] == "train"]
+    assert len(runs["bf16"]) == 3 and all(0 < loss < 20 for loss in runs["bf16"])
+    # the same batches and weights: bf16's 8-bit mantissa shows in the loss, but only as rounding
+    assert runs["bf16"] != runs["fp32"]
+    assert runs["bf16"] == pytest.approx(runs["fp32"], rel=0.05)
+    assert '"value": "bf16"' in (tmp_path / "bf16" / "mllog.txt").read_text()
+
+
+def test_logged_lr_follows_warmup_and_polynomial_decay(tmp_path):
+    """10 steps per epoch, 1 warmup epoch, 3 epochs, peak 2.0, end 1e-4, power 2; values by hand."""
+    result = run_train("--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16,
+                       "--global-batch-size", 4, "--synthetic-images", 40, "--synthetic-classes", 10, "--epochs", 3,
+                       "--lr", 2.0, "--warmup-epochs", 1, "--log-every", 1, "--eval-every", 0, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
-    assert len(losses) == 4 and all(0 < loss < 20 for loss in losses)
-    assert '"value": "bf16"' in (tmp_path / "run" / "mllog.txt").read_text()
+    lr = {m["step"]: m["lr"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"}
+    expected = {1: 0.2, 5: 1.0, 10: 2.0, 11: 1e-4 + (2.0 - 1e-4) * (19 / 20) ** 2, 20: 1e-4 + (2.0 - 1e-4) * 0.25,
+                30: 1e-4}
+    assert {step: lr[step] for step in expected} == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("extra", [["--eval-every", 4, "--epochs", 5], ["--optimizer", "sgd", "--max-steps", 3]])
+def test_mlperf_schedules_and_sgd_pass_the_compliance_checker(tmp_path, extra):
+    result = run_train("--out-dir", "run", "--arch", "resnet18", "--workers", 1, *extra, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    checked = compliance(tmp_path / "run" / "mllog.txt", tmp_path)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout + checked.stderr, checked.stdout + checked.stderr
+    log = (tmp_path / "run" / "mllog.txt").read_text()
+    if "sgd" in extra:
+        assert '"key": "opt_name", "value": "sgd"' in log and "sgd_opt_base_learning_rate" in log
+    else:
+        evals = re.findall(r'"key": "eval_accuracy".*"epoch_num": (\d+)', log)
+        assert evals == ["4", "5"]  # every 4 epochs, and at the end
+
+
+def test_a_checkpoint_that_cannot_be_written_ends_the_run_with_exit_3(tmp_path):
+    """A file-size limit of 20 MB: the logs fit, ResNet-18's 45 MB checkpoint does not (EFBIG, as a
+    full disk would give ENOSPC)."""
+    limit = 20 << 20
+    result = subprocess.run([sys.executable, "-m", "train", "--out-dir", "run", "--arch", "resnet18", "--max-steps", "2",
+                             "--workers", "1", "--eval-every", "0"], cwd=tmp_path, capture_output=True, text=True,
+                            timeout=600, env=child_env(),
+                            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
+    assert result.returncode == 3, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "could not write" in lines[0] and "checkpoint.pt" in lines[0]
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    assert [p for p in (tmp_path / "run").iterdir() if p.name.endswith(".tmp")] == []
+    assert '"status": "aborted"' in (tmp_path / "run" / "mllog.txt").read_text().splitlines()[-1]
 
 
 def test_target_accuracy_stops_the_run_early(tmp_path):

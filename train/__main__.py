@@ -3,22 +3,33 @@ import sys
 
 from data import DataError
 from train.config import UsageError, parse
-from train.loop import Preempted, RunAborted, run
+from train.engines import detect_launch
+from train.loop import Preempted, RunAborted, run, test_only
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        run(parse(sys.argv[1:] if argv is None else argv))
+        try:
+            cfg = parse(sys.argv[1:] if argv is None else argv)
+        except UsageError as err:  # the same flags on every rank: the same error everywhere
+            err.agreed = True
+            raise
+        test_only(cfg) if cfg.test_only else run(cfg)
     except (UsageError, DataError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        return _exit(err, f"error: {err}", 2)
     except RunAborted as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 3
-    except Preempted as err:
-        print(err, file=sys.stderr)
+        return _exit(err, f"error: {err}", 3)
+    except Preempted:  # rank 0 has said so before any rank left
         return 75  # EX_TEMPFAIL: try again (a requeued job resumes)
     return 0
+
+
+def _exit(err: Exception, message: str, code: int) -> int:
+    """Every rank exits with the code. A failure all ranks agreed on (marked `agreed`) is printed
+    once, by rank 0; any other is printed by the rank that met it."""
+    if detect_launch().rank == 0 or not getattr(err, "agreed", False):
+        print(message, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 A crash or a full disk leaves the previous checkpoint.pt untouched.
 """
+import errno
 import os
 from pathlib import Path
 
@@ -13,7 +14,10 @@ def save(path: Path, state: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
         with open(tmp, "wb") as f:
-            torch.save(state, f)
+            try:
+                torch.save(state, f)
+            except RuntimeError as err:  # torch's zip writer turns a failed write (a full disk) into this
+                raise (err.__context__ if isinstance(err.__context__, OSError) else OSError(errno.EIO, str(err))) from err
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)

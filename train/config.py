@@ -38,12 +38,12 @@ class Config:
     precision: str = field(default="auto", metadata={"help": "fp32 | bf16 | fp16 (CUDA only) | auto (bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU)"})
     # optimisation
     optimizer: str = field(default="lars", metadata={"help": "lars | sgd"})
-    batch_size: int = field(default=256, metadata={"help": "images per rank per step"})
-    global_batch_size: int = field(default=0, metadata={"help": "if set, the per-rank batch is this divided by the number of ranks"})
+    batch_size: int = field(default=0, metadata={"help": "images per rank per step (0: --global-batch-size / ranks, or 256 when neither is set)"})
+    global_batch_size: int = field(default=0, metadata={"help": "images per step over all ranks (0: --batch-size x ranks)"})
     epochs: int = field(default=90, metadata={"help": "length of the run and of the LR schedule"})
-    lr: float = field(default=10.0, metadata={"help": "peak learning rate for the global batch"})
+    lr: float = field(default=0.0, metadata={"help": "peak learning rate for the global batch (0: chosen from the global batch, see docs/learning_rate.md)"})
     lr_per_256: float = field(default=0.0, metadata={"help": "if set, peak LR = this x global batch / 256"})
-    warmup_epochs: float = field(default=5.0, metadata={"help": "linear warmup length"})
+    warmup_epochs: float = field(default=-1.0, metadata={"help": "linear warmup length in epochs (-1: chosen from the global batch)"})
     end_lr: float = field(default=1e-4, metadata={"help": "LR at the last step of the polynomial decay"})
     lr_decay_power: float = field(default=2.0, metadata={"help": "power of the polynomial decay"})
     momentum: float = field(default=0.9)
@@ -68,6 +68,7 @@ class Config:
     log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt"})
+    test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
     max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
     division: str = field(default="open", metadata={"help": "MLPerf division declared in the log: open | closed"})
     submission_org: str = field(default="reference-trainer")
@@ -124,9 +125,14 @@ def resolve_preset(name: str) -> Path:
     return Path(str(resources.files("train.presets") / f"{name}.yaml"))
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2 like every other bad input, not argparse's usage block
+        raise UsageError(f"{message}; see python -m train --help")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m train", description="Train a ResNet on ImageNet-layout data.",
-                                argument_default=argparse.SUPPRESS)
+    p = _Parser(prog="python -m train", description="Train a ResNet on ImageNet-layout data.",
+                argument_default=argparse.SUPPRESS)
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
         help_text = f.metadata.get("help", "") + f" (default: {f.default!r})"
@@ -135,6 +141,12 @@ def parser() -> argparse.ArgumentParser:
         else:
             p.add_argument(flag, type=f.type, metavar=f.name.upper(), help=help_text)
     return p
+
+
+# Settings derived from one another: a flag on the command line wins over its partner's value from
+# the preset or the saved run (a per-rank --batch-size over a preset's global batch, and so on).
+# Two flags of a pair given together must agree (checked once the rank count is known).
+PARTNERS = {"batch_size": "global_batch_size", "global_batch_size": "batch_size", "lr": "lr_per_256", "lr_per_256": "lr"}
 
 
 def parse(argv: list[str]) -> Config:
@@ -146,16 +158,23 @@ def parse(argv: list[str]) -> Config:
         values.update(load_yaml_overrides(str(resolve_preset(preset)), "preset"))
         values["preset"] = preset
     out_dir = flags.get("out_dir")
-    if out_dir and (Path(out_dir) / PREEMPTED_MARKER).exists():
+    if flags.get("test_only"):
+        flags["resume"] = False
+    elif out_dir and (Path(out_dir) / PREEMPTED_MARKER).exists():
         flags["resume"] = True  # a preempted run continues by itself when started again
-    if flags.get("resume"):
-        out_dir = flags.get("out_dir")
+    if flags.get("resume") or flags.get("test_only"):
+        what = "--test-only" if flags.get("test_only") else "--resume"
         if not out_dir:
-            raise UsageError("--resume needs --out-dir naming the run to continue")
+            raise UsageError(f"{what} needs --out-dir naming the run")
         saved = Path(out_dir) / "config.yaml"
         if not saved.is_file():
-            raise UsageError(f"{out_dir} holds no config.yaml to resume; check --out-dir")
+            raise UsageError(f"{out_dir} holds no config.yaml for {what}; check --out-dir")
         values.update(load_yaml_overrides(str(saved), "saved config"))
+    if flags.get("batch_size", 1) <= 0:
+        raise UsageError(f"--batch-size must be positive, got {flags['batch_size']}")
+    for name, partner in PARTNERS.items():
+        if name in flags and partner not in flags:
+            values[partner] = FIELDS[partner].default
     values.update(flags)
     return validate(Config(**values))
 
@@ -164,7 +183,7 @@ def validate(cfg: Config) -> Config:
     def need(ok: bool, message: str):
         if not ok:
             raise UsageError(message)
-    need(cfg.batch_size > 0, f"--batch-size must be positive, got {cfg.batch_size}")
+    need(cfg.batch_size >= 0, f"--batch-size must be positive, got {cfg.batch_size}")
     need(cfg.global_batch_size >= 0, f"--global-batch-size must be positive, got {cfg.global_batch_size}")
     need(cfg.epochs > 0, f"--epochs must be positive, got {cfg.epochs}")
     need(cfg.image_size >= 16, f"--image-size must be at least 16, got {cfg.image_size}")
@@ -181,6 +200,7 @@ def validate(cfg: Config) -> Config:
     need(0 < cfg.crop_min_aspect <= cfg.crop_max_aspect, "--crop-min-aspect and --crop-max-aspect must satisfy 0 < min <= max")
     need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
     need(cfg.lr >= 0 and cfg.lr_per_256 >= 0, "learning rates must not be negative")
+    need(cfg.warmup_epochs >= 0 or cfg.warmup_epochs == -1, "--warmup-epochs must be 0 or more (-1: chosen from the global batch)")
     need(cfg.eval_every >= 0 and cfg.eval_offset >= 0, "--eval-every and --eval-offset must not be negative")
     need(cfg.max_steps >= 0, f"--max-steps must not be negative, got {cfg.max_steps}")
     need(cfg.log_every > 0 and cfg.checkpoint_every > 0, "--log-every and --checkpoint-every must be positive")

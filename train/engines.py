@@ -2,6 +2,7 @@
 
     rank, world_size, local_rank, local_size, device
     broadcast_object(obj) -> obj              rank 0's value, on every rank
+    gather_object(obj) -> list                every rank's value, on every rank (set-up checks)
     sync_batchnorm(model, span) -> model      BN statistics over groups of `span` consecutive ranks
     wrap(model, optimizer) -> (model, optimizer)
                                               gradients averaged (overlapped with backward),
@@ -18,6 +19,7 @@ import datetime
 import inspect
 import os
 import socket
+from dataclasses import dataclass
 
 import torch
 
@@ -37,7 +39,7 @@ def _device(local_rank: int) -> torch.device:
 class SingleProcess:
     name = "none"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, launch=None):
         self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
         self.device = _device(0)
 
@@ -56,11 +58,20 @@ class SingleProcess:
     def broadcast_object(self, obj):
         return obj
 
+    def gather_object(self, obj) -> list:
+        return [obj]
+
     def barrier(self) -> None:
         pass
 
     def shutdown(self) -> None:
         pass
+
+
+def check_bn_span(span: int, world_size: int) -> None:
+    if span < 1 or world_size % span:
+        raise UsageError(f"--bn-span {span} does not divide the {world_size} rank(s) of this launch; "
+                         "choose a divisor of the rank count (1 on one process)")
 
 
 class _Topology:
@@ -82,8 +93,7 @@ class _Topology:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // hostnames.count(hostnames[self.rank])))
 
     def _bn_groups(self, span: int) -> list[list[int]]:
-        if span < 1 or self.world_size % span:
-            raise UsageError(f"--bn-span {span} must divide the {self.world_size} ranks")
+        check_bn_span(span, self.world_size)
         return [list(range(start, start + span)) for start in range(0, self.world_size, span)]
 
 
@@ -91,19 +101,22 @@ class TorchDistributed(_Topology):
     """torch.distributed: NCCL on GPUs, gloo on CPUs; DDP with gradient bucketing."""
     name = "torch"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, launch=None):
         import torch.distributed as dist
         self.dist, self.cfg = dist, cfg
         env = os.environ
-        if "RANK" in env:  # torchrun
-            self.rank, self.world_size, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", 0))
-        elif "SLURM_PROCID" in env:  # srun
-            self.rank, self.world_size = int(env["SLURM_PROCID"]), int(env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", 1)))
-            local_rank = int(env.get("SLURM_LOCALID", 0))
+        launch = launch or detect_launch(env)
+        if launch.launcher == "none":
+            raise UsageError("--engine torch needs a launcher: torchrun, srun, or mpirun with MASTER_ADDR set")
+        self.rank, self.world_size = launch.rank, launch.world_size
+        local_rank = int(env.get("LOCAL_RANK", env.get("OMPI_COMM_WORLD_LOCAL_RANK", env.get("SLURM_LOCALID", 0))))
+        if launch.launcher == "srun":
             env.setdefault("MASTER_ADDR", env.get("SLURM_LAUNCH_NODE_IPADDR", "127.0.0.1"))
             env.setdefault("MASTER_PORT", str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000))
-        else:
-            raise UsageError("--engine torch needs a launcher: torchrun (RANK, WORLD_SIZE) or srun (SLURM_PROCID)")
+        elif "MASTER_ADDR" not in env:
+            raise UsageError(f"--engine torch under {launch.launcher} needs MASTER_ADDR (and MASTER_PORT) in the "
+                             "environment of every rank")
+        env.setdefault("MASTER_PORT", "29500")
         self.device = _device(local_rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT,
@@ -187,6 +200,11 @@ class TorchDistributed(_Topology):
         self.dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
+    def gather_object(self, obj) -> list:
+        everyone = [None] * self.world_size
+        self.dist.all_gather_object(everyone, obj, group=self.control)
+        return everyone
+
     def barrier(self):
         self.dist.barrier(group=self.control)
 
@@ -198,7 +216,7 @@ class Horovod(_Topology):
     """Horovod: DistributedOptimizer (gradient all-reduce overlapped with backward), gloo/MPI/NCCL."""
     name = "horovod"
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, launch=None):
         try:
             import horovod.torch as hvd
         except ImportError as err:
@@ -264,6 +282,9 @@ class Horovod(_Topology):
 
     def broadcast_object(self, obj):
         return self.hvd.broadcast_object(obj, root_rank=0)
+
+    def gather_object(self, obj) -> list:
+        return self.hvd.allgather_object(obj)
 
     def barrier(self):
         self.hvd.barrier()
@@ -349,22 +370,81 @@ class HierarchicalHorovodOptimizer:
             offset += g.numel()
 
 
-def detect(env=os.environ) -> str:
-    """The engine a launcher asks for: Horovod's variables, torchrun's, or an srun step's."""
-    if "HOROVOD_RANK" in env or "HOROVOD_HOSTNAME" in env:
-        return "horovod"
+@dataclass(frozen=True)
+class Launch:
+    """Who started this process: the launcher, this process's rank, and how many ranks it started."""
+    launcher: str
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+
+def detect_launch(env=os.environ) -> Launch:
+    """The launch, from the launcher's variables, in this order of precedence:
+    Horovod's (horovodrun with gloo), torchrun's, MPI's (mpirun of Open MPI, MPICH or Intel MPI,
+    and horovodrun with MPI, alone or inside an sbatch job, where SLURM_* is set too), an srun
+    step's (also `srun --mpi=pmi2`, which sets PMI_* to the step's own rank and size)."""
+    def number(name, default=0):
+        return int(env.get(name, default))
+    if "HOROVOD_RANK" in env:
+        return Launch("horovodrun", number("HOROVOD_RANK"), number("HOROVOD_SIZE", 1))
     if "RANK" in env and "WORLD_SIZE" in env:
+        return Launch("torchrun", number("RANK"), number("WORLD_SIZE"))
+    if "OMPI_COMM_WORLD_SIZE" in env:
+        return Launch("mpirun", number("OMPI_COMM_WORLD_RANK"), number("OMPI_COMM_WORLD_SIZE"))
+    srun_step = "SLURM_PROCID" in env and "SLURM_STEP_NUM_TASKS" in env
+    if "PMI_SIZE" in env and not (srun_step and env["PMI_SIZE"] == env["SLURM_STEP_NUM_TASKS"]
+                                  and env.get("PMI_RANK") == env["SLURM_PROCID"]):
+        return Launch("mpirun", number("PMI_RANK"), number("PMI_SIZE"))
+    if srun_step and number("SLURM_STEP_NUM_TASKS", 1) > 1:
+        return Launch("srun", number("SLURM_PROCID"), number("SLURM_STEP_NUM_TASKS"))
+    return Launch("none")
+
+
+def _horovod_with_mpi() -> bool:
+    try:
+        import horovod.torch as hvd
+    except ImportError:
+        return False
+    return hvd.mpi_built()
+
+
+def choose_engine(requested: str, launch: Launch, env=os.environ) -> str:
+    """The engine for `--engine` (auto: the launcher's own), or a UsageError when none can serve the launch."""
+    if requested != "auto":
+        if requested == "none" and launch.distributed:
+            raise UsageError(f"--engine none, but {launch.launcher} started {launch.world_size} ranks: each would "
+                             "train alone; drop --engine none or launch one process")
+        return requested
+    if launch.launcher in ("horovodrun",):
+        return "horovod"
+    if launch.launcher in ("torchrun", "srun"):
         return "torch"
-    if int(env.get("SLURM_STEP_NUM_TASKS", "1")) > 1 and "SLURM_PROCID" in env:
-        return "torch"
+    if launch.launcher == "mpirun" and launch.distributed:
+        if _horovod_with_mpi():
+            return "horovod"
+        if "MASTER_ADDR" in env:
+            return "torch"
+        raise UsageError(f"mpirun started {launch.world_size} ranks, but Horovod with MPI is not installed (install "
+                         "Open MPI, then run scripts/install_horovod.sh) and MASTER_ADDR is not set for --engine torch")
     return "none"
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside an engine's wrapper (DDP keeps it as .module)."""
+    return getattr(model, "module", model)
 
 
 ENGINES = {"none": SingleProcess, "torch": TorchDistributed, "horovod": Horovod}
 
 
-def create(cfg):
-    name = detect() if cfg.engine == "auto" else cfg.engine
-    if name not in ENGINES:
-        raise UsageError(f"unknown --engine {name!r}; choose auto, {', '.join(ENGINES)}")
-    return ENGINES[name](cfg)
+def create(cfg, env=os.environ):
+    launch = detect_launch(env)
+    engine = ENGINES[choose_engine(cfg.engine, launch, env)](cfg, launch)
+    if launch.distributed and engine.world_size != launch.world_size:
+        raise UsageError(f"{launch.launcher} started {launch.world_size} ranks, but --engine {engine.name} sees "
+                         f"{engine.world_size}; use the launcher's engine (--engine auto)")
+    return engine

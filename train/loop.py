@@ -4,8 +4,10 @@ Metrics stay on the device between logging points; the only host syncs are at lo
 epoch ends and evaluations.
 """
 import dataclasses
+import hashlib
 import platform
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -13,13 +15,14 @@ import torch
 import yaml
 from mlperf_logging.mllog import constants as K
 
-from data import build_loader
+from data import DataError, build_loader
 from data.embedded import ensure_embedded
 from models import build_model
 from train import checkpoint, engines
 from train.config import PREEMPTED_MARKER, Config, UsageError, to_dict
 from train.lars import LARS, lars_param_groups
 from train.precision import Precision
+from train.rules import batch_sizes, lr_and_warmup
 from train.runlog import RunLog, progress
 from train.schedule import WarmupPolySchedule
 
@@ -35,7 +38,8 @@ class Diverged(RunAborted):
 
 
 class Preempted(Exception):
-    """SIGUSR1/SIGTERM arrived: the checkpoint is written and the next start resumes by itself."""
+    """SIGUSR1/SIGTERM arrived: the checkpoint is written (and rank 0 said so) and the next start
+    resumes by itself."""
 
 
 class StopSignal:
@@ -55,17 +59,13 @@ class StopSignal:
 
 def run(cfg: Config) -> dict:
     init_start_ms = int(time.time() * 1000)
-    engine = engines.create(cfg)
+    engine = _create_engine(cfg)
     device = engine.device
-    precision = Precision(cfg.precision, device)
-    cfg = _per_rank_batch(cfg, engine.world_size)
-    data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader != "synthetic" else "")
-    loader = build_loader(dataclasses.replace(cfg, data_dir=data_dir), engine.rank, engine.world_size, device)
-    out_dir = _prepare_out_dir(cfg, engine)  # after every check: bad input leaves no folder
+    # every check that can fail runs on every rank before the run directory exists
+    cfg, loader, precision, data_dir, choice_note = _agreed(engine, lambda: _prepare(cfg, engine))
+    out_dir = _agreed(engine, lambda: _make_out_dir(cfg, engine))
     cfg = dataclasses.replace(cfg, out_dir=str(out_dir))
     log = RunLog(out_dir if engine.rank == 0 else None)
-    if engine.rank == 0:
-        (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
 
     if device.type == "cuda":  # fixed shapes: let cuDNN pick its fastest kernels; TF32 for fp32 matmuls
         torch.backends.cudnn.benchmark = True
@@ -73,8 +73,7 @@ def run(cfg: Config) -> dict:
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last).to(device)
     model = engine.sync_batchnorm(model, cfg.bn_span)
-    global_batch = cfg.batch_size * engine.world_size
-    base_lr = cfg.lr_per_256 * global_batch / 256 if cfg.lr_per_256 else cfg.lr
+    global_batch, base_lr = cfg.global_batch_size, cfg.lr
     optimizer = _optimizer(cfg, model, base_lr)
     steps_per_epoch = loader.steps_per_epoch
     schedule = WarmupPolySchedule(base_lr, round(cfg.warmup_epochs * steps_per_epoch),
@@ -96,7 +95,9 @@ def run(cfg: Config) -> dict:
     _log_setup(log, cfg, engine, precision, loader, global_batch, base_lr, schedule, init_start_ms)
     log.print(f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
               f"{loader.train_images} train / {loader.val_images} val images | {engine.world_size} rank(s) x batch "
-              f"{cfg.batch_size} | {cfg.optimizer} lr {base_lr:g} | {precision.name} on {device.type} | {out_dir}")
+              f"{cfg.batch_size} = global batch {global_batch} | {cfg.optimizer} lr {base_lr:g}, warmup "
+              f"{cfg.warmup_epochs:g} epochs{f' ({choice_note})' if choice_note else ''} | {precision.name} on "
+              f"{device.type} | {out_dir}")
     if loader.empty_classes:
         log.print(f"warning: {len(loader.empty_classes)} class folder(s) hold no training images: "
                   f"{', '.join(loader.empty_classes[:5])}")
@@ -120,6 +121,7 @@ def run(cfg: Config) -> dict:
             window, epoch_meter = LossMeter(device), LossMeter(device)
             batches = progress(loader.train_batches(epoch, step_in_epoch), steps_per_epoch - step_in_epoch,
                                engine.rank == 0, f"epoch {epoch_number}")
+            lr = schedule(max(step, 1))  # a run stopped after an epoch's last step resumes into its end
             for images, labels in batches:
                 lr = schedule(step + 1)
                 for group in optimizer.param_groups:
@@ -140,7 +142,8 @@ def run(cfg: Config) -> dict:
                     _check_finite(bad_steps, cfg, step, out_dir, engine)
                     log.metrics(kind="train", step=step, epoch=epoch + step_in_epoch / steps_per_epoch,
                                 images=step * global_batch, seconds=round(time.time() - run_start, 3),
-                                img_per_s=round(window.steps * global_batch / seconds, 2), loss=mean_loss, lr=lr)
+                                img_per_s=round(window.steps * global_batch / seconds, 2), loss=mean_loss, lr=lr,
+                                **precision.log_fields())
                     window = LossMeter(device)
                 if step == cfg.max_steps:
                     stop = True
@@ -149,9 +152,11 @@ def run(cfg: Config) -> dict:
                     _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine)
                     if engine.rank == 0:
                         (out_dir / PREEMPTED_MARKER).write_text(f"step {step}\n")
+                        # said before any rank exits: a launcher tears the other ranks down at the first exit
+                        print(f"preempted at step {step}: checkpoint written to {out_dir}; start the same command "
+                              "again to continue", file=sys.stderr, flush=True)
                     engine.barrier()  # nobody exits (and gets the job torn down) before the checkpoint is on disk
-                    raise Preempted(f"preempted at step {step}: checkpoint written to {out_dir}; "
-                                    "start the same command again to continue")
+                    raise Preempted(f"preempted at step {step}")
             mean_loss, epoch_seconds = epoch_meter.mean(engine), epoch_meter.seconds()
             skipped = _report_skipped(loader, engine, log, "training")
             _check_finite(bad_steps, cfg, step, out_dir, engine)
@@ -174,6 +179,11 @@ def run(cfg: Config) -> dict:
                 stop = stop or result["reached_target"]
             if stop or last_epoch or (finished_epoch and epoch % cfg.checkpoint_every == 0):
                 _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine)
+        if engine.world_size > 1:  # every rank must end with the model that was saved
+            differing = replicas_differing(model, engine)
+            log.metrics(kind="replicas", step=step, ranks=engine.world_size, differing_from_rank0=differing)
+            if differing:
+                log.print(f"warning: {differing} rank(s) ended with a model that differs from rank 0's")
     except RunAborted:
         log.end(K.RUN_STOP, status=K.ABORTED)
         raise
@@ -188,6 +198,35 @@ def run(cfg: Config) -> dict:
               f"{result['top1'] if result['top1'] is None else round(result['top1'], 4)}; run directory {out_dir}")
     engine.shutdown()
     return {**result, "steps": step, "images": step * global_batch, "seconds": total_seconds, "out_dir": str(out_dir)}
+
+
+def test_only(cfg: Config) -> tuple[float, float, int]:
+    """`--test-only`: the checkpoint in --out-dir evaluated over the validation set of its run's data
+    (or --data-dir), on any engine and rank count; nothing in the run directory changes."""
+    engine = _create_engine(cfg)
+
+    def prepare():
+        run_dir = Path(cfg.out_dir)
+        if not (run_dir / "checkpoint.pt").is_file():
+            raise UsageError(f"{run_dir} holds no checkpoint.pt to evaluate; check --out-dir")
+        precision = Precision(cfg.precision, engine.device)
+        batch = cfg.batch_size or max(1, cfg.global_batch_size // engine.world_size) or 256
+        data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader != "synthetic" else "")
+        loader = build_loader(dataclasses.replace(cfg, data_dir=data_dir, batch_size=batch, global_batch_size=0),
+                              engine.rank, engine.world_size, engine.device)
+        state = checkpoint.load(run_dir / "checkpoint.pt", engine.device)
+        if state["model"]["fc.weight"].shape[0] != loader.num_classes:
+            raise UsageError(f"the checkpoint in {run_dir} has {state['model']['fc.weight'].shape[0]} classes, the "
+                             f"data {data_dir or 'synthetic'} {loader.num_classes}; check --data-dir")
+        return precision, loader, state
+    precision, loader, state = _agreed(engine, prepare)
+    model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last).to(engine.device)
+    model.load_state_dict(state["model"])
+    top1, top5, images = evaluate(model, loader, precision, engine)
+    if engine.rank == 0:
+        print(f"top-1 {top1:.4f}  top-5 {top5:.4f}  ({images} images)", flush=True)
+    engine.shutdown()
+    return top1, top5, images
 
 
 class LossMeter:
@@ -208,31 +247,76 @@ class LossMeter:
         return max(time.time() - self.start, 1e-9)
 
 
-def _per_rank_batch(cfg: Config, world_size: int) -> Config:
-    if not cfg.global_batch_size:
-        return cfg
-    if cfg.global_batch_size % world_size:
-        raise UsageError(f"--global-batch-size {cfg.global_batch_size} does not divide over {world_size} ranks; "
-                         "choose a multiple of the rank count")
-    return dataclasses.replace(cfg, batch_size=cfg.global_batch_size // world_size)
+def _agreed_error(err: Exception) -> Exception:
+    """Marks an error that every rank raises alike, so that only rank 0 prints it."""
+    err.agreed = True
+    return err
 
 
-def _prepare_out_dir(cfg: Config, engine) -> Path:
-    """Rank 0 checks and creates the run directory; every rank learns whether that worked."""
-    out_dir = cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
-    problem = None
-    if engine.world_size > 1:  # the same name on every rank, whatever each one's clock says
-        out_dir = engine.broadcast_object(out_dir)
-    out_dir = Path(out_dir)
+def _create_engine(cfg: Config):
+    try:
+        return engines.create(cfg)
+    except UsageError as err:  # decided by the flags and the launcher's environment: alike on every rank
+        raise _agreed_error(err)
+
+
+def _agreed(engine, step):
+    """Runs a set-up step on every rank; if it fails on any, every rank raises the first failure
+    (rank 0 prints it), so no rank goes on alone and no rank hangs waiting for one that stopped."""
+    try:
+        value, problem = step(), None
+    except (UsageError, DataError) as err:
+        value, problem = None, (type(err).__name__, str(err))
+    problems = engine.gather_object(problem) if engine.world_size > 1 else [problem]
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        raise _agreed_error((DataError if first[0] == "DataError" else UsageError)(first[1]))
+    return value
+
+
+def _prepare(cfg: Config, engine):
+    """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, note)."""
+    precision = Precision(cfg.precision, engine.device)
+    batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size)
+    cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
+    lr, warmup, note = lr_and_warmup(cfg, global_batch)
+    cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup)
+    engines.check_bn_span(cfg.bn_span, engine.world_size)
+    data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader != "synthetic" else "")
+    loader = build_loader(dataclasses.replace(cfg, data_dir=data_dir), engine.rank, engine.world_size, engine.device)
     if engine.rank == 0:
-        if cfg.resume and not (out_dir / "checkpoint.pt").is_file():
-            problem = f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume"
-        elif not cfg.resume and any((out_dir / name).exists() for name in RUN_FILES):
-            problem = f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir"
-    if engine.any(problem is not None):
-        raise UsageError(problem or f"rank 0 refused --out-dir {out_dir}")
+        _check_out_dir(cfg)
+    return cfg, loader, precision, data_dir, note
+
+
+def _default_out_dir(cfg: Config) -> str:
+    return cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _check_out_dir(cfg: Config) -> None:
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else None
+    if out_dir is None:
+        return
+    if cfg.resume and not (out_dir / "checkpoint.pt").is_file():
+        raise UsageError(f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume")
+    if not cfg.resume and any((out_dir / name).exists() for name in RUN_FILES):
+        raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+
+
+def _make_out_dir(cfg: Config, engine) -> Path:
+    """Rank 0 creates the run directory and writes config.yaml; every rank learns the name."""
+    out_dir = Path(engine.broadcast_object(_default_out_dir(cfg)) if engine.world_size > 1 else _default_out_dir(cfg))
     if engine.rank == 0:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        made = not out_dir.exists()
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))),
+                                                              sort_keys=False))
+        except OSError as err:
+            if made and out_dir.is_dir() and not any(out_dir.iterdir()):
+                out_dir.rmdir()
+            raise UsageError(f"cannot write the run directory {out_dir} ({err.strerror or err}); "
+                             "choose a writable --out-dir") from err
     return out_dir
 
 
@@ -263,25 +347,54 @@ def _first_of_block(cfg: Config, epoch_number: int) -> bool:
 def _check_finite(bad_steps: torch.Tensor, cfg: Config, step: int, out_dir: Path, engine) -> None:
     """Every rank stops once any rank's streak of non-finite losses reaches the limit."""
     if engine.any(int(bad_steps.item()) >= cfg.max_bad_steps):
-        raise Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step {step}); "
-                       f"stopped, last good checkpoint kept in {out_dir}; lower --lr")
+        raise _agreed_error(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step {step}); "
+                       f"stopped, last good checkpoint kept in {out_dir}; lower --lr"))
 
 
 def _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine) -> None:
-    """Rank 0 writes; every rank checks its weights (they are the same) so all stop together."""
+    """Rank 0 writes; every rank checks its weights (they are the same) and learns whether the
+    write worked, so all stop together."""
+    share_bn_statistics(model, engine, cfg.bn_span)
     norms = torch.stack(torch._foreach_norm([p.detach() for p in model.parameters()]))
     if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
-        raise Diverged(f"weights are not finite at step {step}; stopped, last good checkpoint kept in {out_dir}; lower --lr")
-    if engine.rank != 0:
+        raise _agreed_error(Diverged(f"weights are not finite at step {step}; stopped, last good checkpoint kept in "
+                                     f"{out_dir}; lower --lr"))
+    problem = None
+    if engine.rank == 0:
+        try:
+            checkpoint.save(out_dir / "checkpoint.pt", {
+                "model": engines.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
+                "precision": precision.state_dict(), "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
+                "config": to_dict(cfg)})
+        except OSError as err:
+            problem = (f"could not write {out_dir / 'checkpoint.pt'} at step {step} ({err.strerror or err}); "
+                       "the previous checkpoint is kept; free disk space and --resume")
+    if engine.any(problem is not None):
+        raise _agreed_error(RunAborted(problem or "rank 0 could not write the checkpoint"))
+
+
+def share_bn_statistics(model, engine, bn_span: int) -> None:
+    """BatchNorm running statistics averaged over all ranks. Ranks whose BN groups are smaller than
+    the world see different images and so keep different running statistics; averaging them before
+    every evaluation and checkpoint makes the evaluated model and the saved model one and the same
+    (the model every rank holds). Training never reads them, so steps are unchanged."""
+    if engine.world_size == 1 or bn_span == engine.world_size:
         return
-    model = getattr(model, "module", model)
-    try:
-        checkpoint.save(out_dir / "checkpoint.pt", {
-            "model": model.state_dict(), "optimizer": optimizer.state_dict(), "precision": precision.state_dict(),
-            "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch, "config": to_dict(cfg)})
-    except OSError as err:
-        raise RunAborted(f"could not write {out_dir / 'checkpoint.pt'} at step {step} ({err.strerror or err}); "
-                         "the previous checkpoint is kept; free disk space and --resume") from err
+    buffers = [b for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
+               for b in (m.running_mean, m.running_var) if b is not None]
+    if not buffers:
+        return
+    mean = engine.all_reduce_sum(torch.cat([b.reshape(-1) for b in buffers])) / engine.world_size
+    torch._foreach_copy_(buffers, [piece.view_as(b) for piece, b in zip(mean.split([b.numel() for b in buffers]), buffers)])
+
+
+def replicas_differing(model, engine) -> int:
+    """How many ranks hold a model (weights and buffers) that is not bit for bit rank 0's."""
+    digest = hashlib.sha256()
+    for tensor in engines.unwrap(model).state_dict().values():
+        digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    differs = digest.hexdigest() != engine.broadcast_object(digest.hexdigest())
+    return int(engine.all_reduce_sum(torch.tensor(int(differs), device=engine.device)).item())
 
 
 @torch.no_grad()
@@ -302,6 +415,7 @@ def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
 
 
 def _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, step, global_batch, run_start, result):
+    share_bn_statistics(model, engine, cfg.bn_span)
     log.start(K.EVAL_START, epoch_num=epoch_number)
     eval_start = time.time()
     top1, top5, total = evaluate(model, loader, precision, engine)

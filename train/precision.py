@@ -4,6 +4,7 @@ fp16 (V100 TensorCores) needs a GradScaler, which skips steps whose gradients ov
 bf16 has fp32's range and needs none, on CUDA and on CPU.
 """
 import contextlib
+import os
 
 import torch
 
@@ -15,7 +16,8 @@ def resolve(name: str, device: torch.device) -> str:
         if device.type != "cuda":
             return "fp32"
         return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-    if name == "fp16" and device.type != "cuda":
+    if name == "fp16" and device.type != "cuda" and not os.environ.get("TRAINER_ALLOW_CPU_FP16"):
+        # CPU autocast does run fp16, slowly and to no purpose but tests of the loss-scaling path
         raise UsageError("--precision fp16 needs a CUDA GPU (loss scaling for TensorCores); use bf16 or fp32 on CPU")
     return name
 
@@ -25,7 +27,7 @@ class Precision:
         self.name = resolve(name, device)
         self.device_type = device.type
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.name)
-        self.scaler = torch.amp.GradScaler("cuda") if self.name == "fp16" else None
+        self.scaler = torch.amp.GradScaler(device.type) if self.name == "fp16" else None
 
     def autocast(self):
         if self.dtype is None:
@@ -47,6 +49,10 @@ class Precision:
             self.scaler.scale(loss).backward()
             self.scaler.step(optimizer)  # skipped when the scaled gradients hold inf/NaN
             self.scaler.update()
+
+    def log_fields(self) -> dict:
+        """The loss scale, for the logs of fp16 runs (a host read: at logging points only)."""
+        return {"loss_scale": self.scaler.get_scale()} if self.scaler else {}
 
     def state_dict(self) -> dict:
         return self.scaler.state_dict() if self.scaler else {}

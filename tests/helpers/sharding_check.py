@@ -19,7 +19,8 @@ def main():
     train = {epoch: [i for batch in _epoch(loader, epoch) for i, _ in batch] for epoch in (0, 1)}
     val = sum(len(labels) for _, labels in loader.val_batches())
     everyone = [None] * engine.world_size
-    dist.all_gather_object(everyone, {"train": train, "val": val})
+    val_indices = [i for batch in loader.eval_batches for i in batch]
+    dist.all_gather_object(everyone, {"train": train, "val": val, "val_indices": val_indices})
     if engine.rank == 0:
         with open(out_file, "w") as f:
             json.dump({"ranks": everyone, "train_images": loader.train_images, "val_images": loader.val_images,
