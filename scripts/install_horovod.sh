@@ -12,7 +12,8 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 VERSION=0.28.1
 
-if "$PY" -c "import horovod.torch" 2>/dev/null; then
+# done when Horovod imports, with MPI wherever Open MPI's compiler is there (mpirun launches need it)
+if "$PY" -c "import horovod.torch as h, shutil, sys; sys.exit(not (h.mpi_built() or not shutil.which('mpicxx')))" 2>/dev/null; then
     exit 0
 fi
 
@@ -51,7 +52,7 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
     mkdir -p "$cache"
     cp "$work"/wheel/horovod-*.whl "$cache/"
 fi
-"$PY" -m pip install -q --no-deps "$cache"/horovod-*.whl
+"$PY" -m pip install -q --no-deps --force-reinstall "$cache"/horovod-*.whl
 "$PY" -m pip install -q cffi cloudpickle psutil pyyaml packaging  # Horovod's and horovodrun's own needs
 "$PY" -c "import horovod.torch" || { echo "install_horovod: horovod.torch does not import after the build" >&2; exit 1; }
 echo "install_horovod: $("$PY" -c 'import horovod; print(horovod.__version__)') installed" >&2
