@@ -82,6 +82,7 @@ class DaliLoader(FileLoader):
 
     # feeding: this rank's files, bad ones skipped and counted --------------------------------------
     def _train_feed(self, batches):
+        counted = set()  # this epoch's unreadable files, each counted once
         for batch in batches:
             payloads, labels = [], []
             for index, _ in batch:
@@ -90,7 +91,7 @@ class DaliLoader(FileLoader):
                     sample = _encoded(self.train_source, position)
                     if sample is not None:
                         break
-                    self._note_skipped([self.train_source.name(position)])
+                    self._note_skipped([self.train_source.name(position)], counted)
                 payloads.append(sample[0])
                 labels.append(sample[1])
             yield payloads, labels
@@ -116,12 +117,13 @@ class DaliLoader(FileLoader):
         return self._run(pipe)
 
     def _eval_feed(self):
+        counted = set()
         for batch in self.eval_batches:
             payloads, labels = [], []
             for index in batch:
                 sample = _encoded(self.val_source, index)
                 if sample is None:  # counted, not evaluated
-                    self._note_skipped([self.val_source.name(index)])
+                    self._note_skipped([self.val_source.name(index)], counted)
                     continue
                 payloads.append(sample[0])
                 labels.append(sample[1])

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 import torchvision
 
-from data.shards import ShardSamples, is_shard_tree
+from data.shards import ShardSamples, is_shard_tree, read_classes
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
 
@@ -37,7 +37,7 @@ def check_tree(data_dir: str) -> list[str]:
     if is_shard_tree(root):
         if not any((root / "val").glob("*.tar")):
             raise DataError(f"{root} has training shards but no val/*.tar; write both splits with scripts/make_shards.py")
-        return (root / "classes.txt").read_text().split()
+        return read_classes(root)
     for split in ("train", "val"):
         if not (root / split).is_dir():
             raise DataError(f"data directory {root} has no {split}/ folder; expected {split}/<class>/*.jpg")
@@ -56,13 +56,22 @@ def check_tree(data_dir: str) -> list[str]:
     return train_classes
 
 
+def list_samples(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
+    """(path, label) of every sample of one split of an ImageFolder tree, in the order the trainer
+    indexes them; the shard writer (data/shards.py) lists a tree with this too, so shards hold the
+    same samples. torchvision's ImageFolder rule: class by class, each class folder walked with its
+    subfolders (symlinks followed), names sorted, every file with an image extension. A file that
+    turns out unreadable (a broken link, zero bytes) stays a sample: the loaders skip and count it."""
+    class_to_idx = {c: i for i, c in enumerate(classes)}
+    return torchvision.datasets.folder.make_dataset(str(split_dir), class_to_idx, extensions=IMAGE_EXTENSIONS,
+                                                    allow_empty=True)
+
+
 class FolderSource:
     """The (image, label) samples of one split of an ImageFolder tree."""
 
     def __init__(self, split_dir: Path, classes: list[str]):
-        class_to_idx = {c: i for i, c in enumerate(classes)}
-        self.samples = torchvision.datasets.folder.make_dataset(str(split_dir), class_to_idx,
-                                                                extensions=IMAGE_EXTENSIONS, allow_empty=True)
+        self.samples = list_samples(split_dir, classes)
         self.targets = [label for _, label in self.samples]
 
     def __len__(self) -> int:
@@ -96,10 +105,15 @@ class Loader:
         self.val_images, self.steps_per_epoch = val_images, steps_per_epoch
         self.skipped, self.skipped_examples = 0, []
 
-    def _note_skipped(self, paths) -> None:
-        self.skipped += len(paths)
+    def _note_skipped(self, names, counted: set) -> None:
+        """Count the unreadable files among `names` that are not in `counted` yet, and keep the first few
+        names. `counted` lives for one pass (a training epoch, an evaluation): the search for a readable
+        replacement passes the same bad files again when their neighbours are sampled."""
+        new = [name for name in dict.fromkeys(names) if name not in counted]
+        counted.update(new)
+        self.skipped += len(new)
         room = max(0, 3 - len(self.skipped_examples))
-        self.skipped_examples += [p for p in paths if p not in self.skipped_examples][:room]
+        self.skipped_examples += [name for name in new if name not in self.skipped_examples][:room]
 
     def take_skipped(self) -> tuple[int, list[str]]:
         """Files skipped since the last call, and the first few of them by name."""

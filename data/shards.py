@@ -3,15 +3,19 @@
 The index is DALI's (`wds2idx`, format v1.2): a header "v1.2 <samples>", then one line per sample
 listing "<ext> <data offset> <size> <member name>" for each of its members. DALI's
 fn.readers.webdataset takes it as index_paths, and the torch loader uses it for random access.
-Shards are written in a fixed order (class, then file name) with fixed member metadata, so the
-same tree always gives byte-identical shards. classes.txt beside the splits names the classes.
+Shards hold the samples the trainer lists for the tree (data/loaders.py list_samples), in its order,
+with fixed member metadata, so the same tree always gives byte-identical shards. classes.txt beside
+the splits names the classes, one per line in UTF-8 (a name may hold spaces).
 """
 import io
 import os
+import re
+import shutil
 import tarfile
 from pathlib import Path
 
 INDEX_VERSION = "v1.2"
+_SHARD_FILE = re.compile(r"shard-\d{6}\.(tar|idx|tar\.partial)")  # what write_shards writes (.partial: older versions)
 
 
 def _member(tar: tarfile.TarFile, name: str, payload: bytes) -> tuple[int, int]:
@@ -24,29 +28,77 @@ def _member(tar: tarfile.TarFile, name: str, payload: bytes) -> tuple[int, int]:
     return header + tarfile.BLOCKSIZE, info.size
 
 
-def write_shards(tree: Path, out: Path, shard_size: int = 1000, splits=("train", "val")) -> dict:
-    """Shards of every split of an ImageFolder tree; returns {split: sample count}."""
-    tree, out = Path(tree), Path(out)
-    classes = sorted(entry.name for entry in os.scandir(tree / splits[0]) if entry.is_dir())
-    out.mkdir(parents=True, exist_ok=True)
-    counts = {}
-    for split in splits:
-        samples = [(tree / split / cls / name, label) for label, cls in enumerate(classes)
-                   for name in sorted(os.listdir(tree / split / cls)) if not name.startswith(".")]
-        (out / split).mkdir(exist_ok=True)
-        for first in range(0, len(samples), shard_size):
-            stem = out / split / f"shard-{first // shard_size:06d}"
-            lines = []
-            with tarfile.open(f"{stem}.tar.partial", "w", format=tarfile.USTAR_FORMAT) as tar:
-                for number, (path, label) in enumerate(samples[first:first + shard_size], start=first):
-                    key = f"{number:06d}"
-                    jpg = _member(tar, f"{key}.jpg", Path(path).read_bytes())
-                    cls = _member(tar, f"{key}.cls", str(label).encode())
-                    lines.append(f"jpg {jpg[0]} {jpg[1]} {key}.jpg cls {cls[0]} {cls[1]} {key}.cls")
-            Path(f"{stem}.idx").write_text(f"{INDEX_VERSION} {len(lines)}\n" + "\n".join(lines) + "\n")
-            os.replace(f"{stem}.tar.partial", f"{stem}.tar")
-        counts[split] = len(samples)
-    (out / "classes.txt").write_text("\n".join(classes) + "\n")
+def write_classes(out: Path, classes: list[str]) -> None:
+    (Path(out) / "classes.txt").write_text("".join(f"{name}\n" for name in classes), encoding="utf-8", newline="\n")
+
+
+def read_classes(root: Path) -> list[str]:
+    """The class names of classes.txt, one per line (names may hold spaces)."""
+    text = (Path(root) / "classes.txt").read_bytes().decode("utf-8")  # bytes: no newline translation
+    return [name for name in text.split("\n") if name]
+
+
+def _holds_only_shards(out: Path) -> bool:
+    """Whether a folder holds nothing but what write_shards writes, so that replacing it loses nothing else."""
+    for entry in out.iterdir():
+        if entry.name == "classes.txt":
+            continue
+        if entry.name in ("train", "val") and entry.is_dir() and not entry.is_symlink() and \
+                all(_SHARD_FILE.fullmatch(f.name) for f in entry.iterdir()):
+            continue
+        return False
+    return True
+
+
+def _write_split(samples: list[tuple[str, int]], split_dir: Path, shard_size: int, unreadable: list[str]) -> None:
+    split_dir.mkdir()
+    for first in range(0, len(samples), shard_size):
+        stem = split_dir / f"shard-{first // shard_size:06d}"
+        lines = []
+        with tarfile.open(f"{stem}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
+            for number, (path, label) in enumerate(samples[first:first + shard_size], start=first):
+                try:
+                    payload = Path(path).read_bytes()
+                except OSError:  # a broken link, say: stored empty, so the loaders skip and count it as in the tree
+                    payload = b""
+                    unreadable.append(path)
+                key = f"{number:06d}"
+                jpg = _member(tar, f"{key}.jpg", payload)
+                cls = _member(tar, f"{key}.cls", str(label).encode())
+                lines.append(f"jpg {jpg[0]} {jpg[1]} {key}.jpg cls {cls[0]} {cls[1]} {key}.cls")
+        Path(f"{stem}.idx").write_text(f"{INDEX_VERSION} {len(lines)}\n" + "\n".join(lines) + "\n")
+
+
+def write_shards(tree: Path, out: Path, shard_size: int = 1000) -> dict:
+    """Shards of both splits of an ImageFolder tree: {"train": count, "val": count, "unreadable": [paths
+    stored empty]}. The set is written into a sibling folder and renamed into place at the end, so `out`
+    holds its old set or the whole new one, never a mix; a folder holding anything else is refused."""
+    from data.loaders import DataError, check_tree, list_samples  # here: data.loaders imports this module
+    tree, out = Path(tree), Path(os.path.abspath(out))
+    classes = check_tree(str(tree))
+    if any("\n" in name for name in classes):
+        raise DataError(f"a class folder name in {tree / 'train'} holds a line break; classes.txt cannot list it")
+    if out.is_symlink() or (out.exists() and not (out.is_dir() and _holds_only_shards(out))):
+        raise DataError(f"{out} exists and holds more than shards; pass a new folder or one of shards to replace")
+    new, old = out.with_name(f".{out.name}.partial"), out.with_name(f".{out.name}.old")
+    shutil.rmtree(new, ignore_errors=True)  # left by a run that was killed
+    new.mkdir(parents=True)
+    counts = {"unreadable": []}
+    try:
+        for split in ("train", "val"):
+            samples = list_samples(tree / split, classes)
+            _write_split(samples, new / split, shard_size, counts["unreadable"])
+            counts[split] = len(samples)
+        write_classes(new, classes)
+        shutil.rmtree(old, ignore_errors=True)
+        if out.exists():
+            os.replace(out, old)
+        os.replace(new, out)
+    finally:
+        if old.exists() and not out.exists():  # stopped between the two renames: the old set goes back
+            os.replace(old, out)
+        shutil.rmtree(new, ignore_errors=True)  # gone already unless the writing failed
+    shutil.rmtree(old, ignore_errors=True)
     return counts
 
 

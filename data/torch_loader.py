@@ -8,8 +8,9 @@ a quarter of the bytes to move, normalised on the device; on a CPU the threads n
 
 Each sample's augmentation comes from its own seed (data/sharding.py), so batches do not depend on
 the number of threads or their timing, and a resumed run repeats an uninterrupted one bit for bit.
-An unreadable file is skipped and counted, and the next readable file (with its own label) takes its
-place, so every rank's batch keeps its size and no label shifts.
+An unreadable file is skipped and counted (once per epoch, however many searches pass it), and the
+next readable file (with its own label) takes its place, so every rank's batch keeps its size and no
+label shifts.
 """
 import ctypes
 import math
@@ -160,6 +161,7 @@ class TorchLoader(FileLoader):
             return batch, [self.pool.submit(fill_slot, batch, slot, key) for slot, key in enumerate(keys)]
 
         keys_per_batch = iter(keys_per_batch)
+        counted = set()  # this pass's unreadable files, each counted once
         in_flight = deque(start(keys) for _, keys in zip(range(BATCHES_IN_FLIGHT), keys_per_batch))
         try:
             while in_flight:
@@ -168,7 +170,7 @@ class TorchLoader(FileLoader):
                 if following is not None:
                     in_flight.append(start(following))
                 labels, skipped = zip(*(slot.result() for slot in slots))
-                self._note_skipped([name for names in skipped for name in names])
+                self._note_skipped([name for names in skipped for name in names], counted)
                 good = [i for i, label in enumerate(labels) if label is not None]
                 if not good:
                     continue

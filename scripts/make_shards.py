@@ -4,14 +4,24 @@
 
 DATA_DIR holds train/<class>/* and val/<class>/*; SHARD_DIR gets train/shard-NNNNNN.{tar,idx},
 val/..., and classes.txt. `python -m train --data-dir SHARD_DIR` reads them.
+
+The shards hold exactly the samples the trainer reads from DATA_DIR, in its order (one listing for
+both: data/loaders.py list_samples); a file that cannot be read at all (a broken link) is stored
+empty, so the loaders skip and count it as they would in the tree.
+
+Writing into a SHARD_DIR that already holds shards replaces the whole set: the new set is written
+into a sibling folder (.SHARD_DIR.partial) and renamed into place at the end, the old one renamed
+aside first and removed after. So SHARD_DIR never holds a mix of old and new shards or a half-written
+set, and a failed run leaves the old set as it was and no partial files. A SHARD_DIR that holds
+anything besides shards is refused (`error: ...`, exit 2) rather than deleted.
 """
 import argparse
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data.loaders import DataError, check_tree  # noqa: E402
-from data.shards import write_shards  # noqa: E402
+from data.loaders import DataError  # noqa: E402
+from data.shards import is_shard_tree, write_shards  # noqa: E402
 
 
 def main() -> int:
@@ -21,13 +31,17 @@ def main() -> int:
     parser.add_argument("--shard-size", type=int, default=1000, help="samples per shard")
     args = parser.parse_args()
     try:
-        check_tree(args.src)
         if args.shard_size <= 0:
             raise DataError("--shard-size must be positive")
+        if is_shard_tree(args.src):
+            raise DataError(f"{args.src} holds shards already; --src takes an ImageFolder tree")
+        counts = write_shards(Path(args.src), Path(args.out), args.shard_size)
     except DataError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    counts = write_shards(Path(args.src), Path(args.out), args.shard_size)
+    if counts["unreadable"]:
+        print(f"warning: {len(counts['unreadable'])} file(s) could not be read and are stored empty (skipped in "
+              f"training, as in the tree), e.g. {', '.join(counts['unreadable'][:3])}")
     print(f"wrote {counts['train']} train and {counts['val']} val samples to {args.out}")
     return 0
 

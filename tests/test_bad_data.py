@@ -101,3 +101,74 @@ def test_training_on_a_tree_with_bad_files_finishes_and_logs_them(bad_tree, tmp_
     assert sum(m.get("skipped_images", 0) for m in metrics if m["kind"] == "epoch") >= 4
     evals = [m for m in metrics if m["kind"] == "eval"]
     assert all(e["eval_images"] == 9 and e["skipped_images"] == 1 for e in evals)
+
+
+SKIP_BAD = {"a4_empty.JPEG", "a5_text.JPEG", "a6_truncated.JPEG", "b9_broken.JPEG"}
+
+
+@pytest.fixture(scope="module")
+def skip_tree(tmp_path_factory):
+    """16 training files, 4 unreadable: three in a row (each one's search for a replacement passes the
+    next), and the very last one (its search wraps round to the first file)."""
+    root = tmp_path_factory.mktemp("skips")
+    rng = np.random.default_rng(5)
+    for split, names in (("train", {"a": ["a0", "a1", "a2", "a3", "a7"], "b": [f"b{i}" for i in range(7)]}),
+                         ("val", {"a": ["a0"], "b": ["b0"]})):
+        for cls, stems in names.items():
+            (root / split / cls).mkdir(parents=True)
+            for stem in stems:
+                pixels = rng.integers(0, 256, (24, 24, 3), dtype=np.uint8)
+                Image.fromarray(pixels).save(root / split / cls / f"{stem}.JPEG")
+    a, b = root / "train" / "a", root / "train" / "b"
+    (a / "a4_empty.JPEG").write_bytes(b"")
+    (a / "a5_text.JPEG").write_text("not an image")
+    whole = (a / "a0.JPEG").read_bytes()
+    (a / "a6_truncated.JPEG").write_bytes(whole[: len(whole) // 2])
+    os.symlink(root / "nowhere.JPEG", b / "b9_broken.JPEG")
+    return root
+
+
+def expected_labels(loader) -> list[int]:
+    """Per sampled index, the label of the first readable file from it on: the replacement rule."""
+    samples = loader.train_source.samples
+    labels = []
+    for batch in loader.sampler:
+        for index, _ in batch:
+            position = index
+            while os.path.basename(samples[position][0]) in SKIP_BAD:
+                position = (position + 1) % len(samples)
+            labels.append(samples[position][1])
+    return labels
+
+
+def check_one_count_per_file(loader, batches, batch_size):
+    count, names = loader.take_skipped()
+    assert count == len(SKIP_BAD)  # each unreadable file once, however many searches passed it
+    assert len(names) == len(set(names)) and {os.path.basename(n) for n in names} <= SKIP_BAD
+    assert [len(y) for _, y in batches] == [batch_size] * (16 // batch_size)
+    assert torch.cat([y for _, y in batches]).tolist() == expected_labels(loader)
+
+
+@pytest.mark.parametrize("batch_size", [4, 16])
+def test_the_torch_loader_counts_each_unreadable_file_once_per_epoch(skip_tree, batch_size):
+    classes = check_tree(str(skip_tree))
+    runs = {}
+    for workers in (1, 3):
+        loader = TorchLoader(Config(data_dir=str(skip_tree), image_size=16, batch_size=batch_size, workers=workers),
+                             classes, 0, 1, torch.device("cpu"))
+        assert loader.train_images == 16
+        for epoch in (0, 1):
+            runs[workers, epoch] = list(loader.train_batches(epoch))
+            check_one_count_per_file(loader, runs[workers, epoch], batch_size)
+    for epoch in (0, 1):  # the replacements do not depend on the number of threads
+        for (xa, ya), (xb, yb) in zip(runs[1, epoch], runs[3, epoch], strict=True):
+            assert torch.equal(xa, xb) and torch.equal(ya, yb)
+
+
+def test_the_dali_loader_counts_each_unreadable_file_once_per_epoch(skip_tree):
+    from data.dali import DaliLoader
+    loader = DaliLoader(Config(data_dir=str(skip_tree), image_size=16, batch_size=4, workers=1),
+                        check_tree(str(skip_tree)), 0, 1, torch.device("cpu"))
+    for epoch in (0, 1):
+        batches = list(loader.train_batches(epoch))  # sets the sampler's epoch for expected_labels too
+        check_one_count_per_file(loader, batches, 4)
