@@ -250,6 +250,48 @@ def test_two_ranks_preempted_by_a_signal_to_one_rank_checkpoint_and_resume(engin
     assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 60
 
 
+def _start_and_wait(command, cwd, token, records=3, **popen):
+    job = subprocess.Popen(command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=child_env(DEAD_RANK_TOKEN=token), **popen)
+    metrics, deadline = cwd / "run" / "metrics.jsonl", time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and metrics.read_text().count('"kind": "train"') >= records):
+        time.sleep(0.2)
+    return job
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_to_torchrun_itself_checkpoints_once_and_torchrun_reports_1(signum, tmp_path):
+    """SIGTERM to torchrun (a scheduler stopping the job), or SIGINT to its whole process group
+    (Ctrl-C): torchrun forwards SIGTERM to its workers, they checkpoint and stop, the message comes
+    once, and torchrun itself ends with its own code, 1 (as the README says)."""
+    token = f"torchrun-{signum}-{os.getpid()}-{time.time()}"
+    args = ["-m", "train", "--out-dir", "run", *SYNTHETIC, "--global-batch-size", 16, "--epochs", 100, "--engine", "torch"]
+    job = _start_and_wait(launch_command("torch", 2, *args), tmp_path, token, start_new_session=True)
+    try:
+        if signum == signal.SIGINT:
+            os.killpg(job.pid, signal.SIGINT)
+        else:
+            job.send_signal(signal.SIGTERM)
+        output, _ = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 1, output[-3000:]
+    assert output.count("preempted at step") == 1, output[-3000:]
+    assert "terminate called" not in output and "KeyboardInterrupt" not in output, output[-3000:]
+    assert (tmp_path / "run" / "PREEMPTED").exists() and (tmp_path / "run" / "checkpoint.pt").exists()
+
+
+def test_ctrl_c_on_one_process_checkpoints_and_exits_75(tmp_path):
+    job = _start_and_wait(launch_command("none", 1, "-m", "train", "--out-dir", "run", *SYNTHETIC,
+                                         "--global-batch-size", 16, "--epochs", 100), tmp_path, "single")
+    job.send_signal(signal.SIGINT)
+    output, _ = job.communicate(timeout=120)
+    assert job.returncode == 75, output[-3000:]
+    assert "Traceback" not in output and output.count("preempted at step") == 1, output[-3000:]
+    assert (tmp_path / "run" / "PREEMPTED").exists()
+
+
 def test_two_ranks_tolerate_as_many_non_finite_steps_as_one_process(tmp_path):
     args = [*SYNTHETIC, "--global-batch-size", 16, "--lr", 1e30, "--max-bad-steps", 4, "--epochs", 3]
     one = run_train("--out-dir", "one", *args, cwd=tmp_path)

@@ -1,11 +1,13 @@
 """Bad input: one line naming the problem, exit code 2, and no run directory left behind."""
 import shutil
+import subprocess
 
 import pytest
 import torch
 
 from conftest import run_train
 from data.embedded import ensure_embedded
+from train.config import parse
 
 TINY = ["--arch", "resnet18", "--image-size", 32, "--workers", 0]
 
@@ -126,3 +128,45 @@ def test_an_unknown_flag_is_one_line(tmp_path):
 
 def test_test_only_without_a_run(tmp_path):
     expect_usage_error(tmp_path, "--test-only", match="no config.yaml for --test-only")
+
+
+@pytest.fixture
+def read_only_folder(tmp_path):
+    """A read-only filesystem (a tmpfs mounted ro; the tests run as root, whom file modes do not stop)."""
+    folder = tmp_path / "ro"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(folder)], capture_output=True)
+    assert mounted.returncode == 0, mounted.stderr
+    yield folder
+    subprocess.run(["umount", str(folder)])
+
+
+@pytest.mark.parametrize("where", ["file_parent", "read_only_parent", "read_only_folder"])
+def test_an_out_dir_that_cannot_be_written_is_one_line(tmp_path, read_only_folder, where):
+    (tmp_path / "afile").write_text("not a folder")
+    out_dir = {"file_parent": tmp_path / "afile" / "run", "read_only_parent": read_only_folder / "a" / "run",
+               "read_only_folder": read_only_folder}[where]
+    result = run_train("--out-dir", out_dir, *TINY, "--max-steps", 1, cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, result.stderr
+    assert lines[0].startswith(f"error: cannot write the run directory {out_dir}"), lines[0]
+    assert (tmp_path / "afile").read_text() == "not a folder" and list(read_only_folder.iterdir()) == []
+
+
+def test_an_out_dir_whose_parents_are_made_leaves_none_behind_on_failure(tmp_path):
+    (tmp_path / "a" / "b").mkdir(parents=True)
+    (tmp_path / "a" / "b" / "c").write_text("a file where a folder is needed")
+    result = run_train("--out-dir", tmp_path / "a" / "new" / "deeper" / "run", *TINY, "--max-steps", 1, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr  # a fresh path of new folders is made as a whole
+    bad = run_train("--out-dir", tmp_path / "a" / "b" / "c" / "x" / "run", *TINY, "--max-steps", 1, cwd=tmp_path)
+    assert bad.returncode == 2 and "cannot write the run directory" in bad.stderr
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["b", "new"]
+
+
+def test_numbers_in_exponent_form_are_accepted_in_presets(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("weight_decay: 5e-5\nlr: 1e1\n")  # YAML 1.1 reads these as strings
+    cfg = parse(["--preset", str(preset)])
+    assert cfg.weight_decay == 5e-5 and cfg.lr == 10.0
+    preset.write_text("weight_decay: lots\n")
+    expect_usage_error(tmp_path, "--preset", preset, match="weight_decay must be float, got 'lots'")

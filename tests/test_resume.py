@@ -1,4 +1,7 @@
 """An interrupted run, resumed, ends with bit-identical weights to an uninterrupted one (CPU)."""
+import time
+
+import pytest
 import torch
 
 from conftest import read_metrics, run_train
@@ -50,3 +53,53 @@ def test_fp16_loss_scaler_state_resumes(tmp_path):
     assert scales == {m["step"]: m["loss_scale"] for m in read_metrics(tmp_path / "parts") if m["kind"] == "train"}
     for key in a["model"]:
         assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+SHORT = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 64,
+         "--synthetic-val-images", 16, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 2,
+         "--log-every", 2]
+
+
+def files_of(run_dir):
+    return {p.name: p.read_bytes() for p in run_dir.iterdir()}
+
+
+def test_a_finished_run_started_again_says_so_and_changes_nothing(tmp_path):
+    done = run_train("--out-dir", "run", *SHORT, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    before = files_of(tmp_path / "run")
+    for again in (["--out-dir", "run", "--resume"], ["--out-dir", "run", *SHORT]):  # --resume, and the same command
+        result = run_train(*again, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        assert result.stdout.strip() == "run holds a finished run (all 2 epochs done at step 16); nothing to do, " \
+                                        "its files are unchanged"
+        assert files_of(tmp_path / "run") == before
+    longer = run_train("--out-dir", "run", "--resume", "--epochs", 3, cwd=tmp_path)  # more epochs: more to do
+    assert longer.returncode == 0 and "resuming run at step 16" in longer.stdout, longer.stderr
+
+
+def test_a_run_stopped_by_max_steps_resumed_with_the_same_limit_changes_nothing(tmp_path):
+    first = run_train("--out-dir", "run", *SHORT, "--max-steps", 5, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = files_of(tmp_path / "run")
+    again = run_train("--out-dir", "run", "--resume", cwd=tmp_path)
+    assert again.returncode == 0 and "at step 5, --max-steps 5" in again.stdout, again.stderr
+    assert files_of(tmp_path / "run") == before
+
+
+def test_a_resumed_run_marks_its_segment_and_keeps_seconds_running(tmp_path):
+    first = run_train("--out-dir", "run", *SHORT, "--max-steps", 8, "--eval-every", 0, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    time.sleep(1.5)  # the run is down for a while
+    second = run_train("--out-dir", "run", "--resume", "--max-steps", 0, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    records = read_metrics(tmp_path / "run")
+    resumes = [i for i, r in enumerate(records) if r["kind"] == "resume"]
+    assert len(resumes) == 1
+    resume, before = records[resumes[0]], records[resumes[0] - 1]
+    assert resume["step"] == 8 and resume["seconds"] == before["seconds"]
+    assert resume["gap_s"] >= 1.5 and resume["gap_s"] == pytest.approx(resume["time"] - before["time"], abs=0.01)
+    seconds = [r["seconds"] for r in records]
+    assert seconds == sorted(seconds)  # training time never runs backwards
+    steps = [(r["kind"], r["step"]) for r in records]
+    assert len(steps) == len(set(steps))  # no step logged twice

@@ -152,6 +152,16 @@ def test_logged_lr_follows_warmup_and_polynomial_decay(tmp_path):
     assert {step: lr[step] for step in expected} == pytest.approx(expected, rel=1e-12)
 
 
+def test_a_warmup_longer_than_the_run_is_cut_and_said(tmp_path):
+    result = run_train("--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16,
+                       "--global-batch-size", 4, "--synthetic-images", 40, "--synthetic-classes", 10, "--epochs", 1,
+                       "--warmup-epochs", 5, "--lr", 2.0, "--log-every", 1, "--eval-every", 0, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "warmup 0.4 epochs (warmup 5 epochs cut to 0.4: not shorter than the 1-epoch run)" in result.stdout
+    lr = {m["step"]: m["lr"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"}
+    assert lr[4] == pytest.approx(2.0) and lr[10] == pytest.approx(1e-4)  # peak after 4 steps, the end LR at the end
+
+
 @pytest.mark.parametrize("extra", [["--eval-every", 4, "--epochs", 5], ["--optimizer", "sgd", "--max-steps", 3]])
 def test_mlperf_schedules_and_sgd_pass_the_compliance_checker(tmp_path, extra):
     result = run_train("--out-dir", "run", "--arch", "resnet18", "--workers", 1, *extra, cwd=tmp_path)

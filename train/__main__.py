@@ -4,7 +4,7 @@ import sys
 from data import DataError
 from train.config import UsageError, parse
 from train.engines import detect_launch
-from train.loop import Preempted, RunAborted, run, test_only
+from train.loop import Preempted, RunAborted, RunFinished, run, test_only
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -21,6 +21,13 @@ def main(argv: list[str] | None = None) -> int:
         return _exit(err, f"error: {err}", 3)
     except Preempted:  # rank 0 has said so before any rank left
         return 75  # EX_TEMPFAIL: try again (a requeued job resumes)
+    except RunFinished as err:
+        if detect_launch().rank == 0:
+            print(err, flush=True)
+        return 0
+    except KeyboardInterrupt:  # a second Ctrl-C, or one during set-up: stop now, no checkpoint
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

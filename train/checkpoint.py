@@ -32,3 +32,9 @@ def save(path: Path, state: dict) -> None:
 
 def load(path: Path, device: torch.device) -> dict:
     return torch.load(path, map_location=device, weights_only=False)
+
+
+def peek(path: Path) -> dict:
+    """A checkpoint's small entries (step, epoch, finished, ...) without reading its tensors."""
+    state = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    return {key: value for key, value in state.items() if not isinstance(value, dict)}

@@ -99,10 +99,19 @@ def load_yaml_overrides(source: str, what: str) -> dict:
         key_field = FIELDS.get(str(key).replace("-", "_"))
         if key_field is None or (key_field.name == "preset" and what == "preset"):
             raise UsageError(f"{what} {source} has unknown setting {key!r}; see python -m train --help")
+        if key_field.type is float and isinstance(value, str):
+            value = values[key] = _number(value)  # YAML 1.1 reads 5e-5 (no dot) as a string
         if not _fits(value, key_field.type):
             raise UsageError(f"{what} {source}: {key} must be {key_field.type.__name__}, got {value!r}")
     return {str(k).replace("-", "_"): (float(v) if FIELDS[str(k).replace("-", "_")].type is float else v)
             for k, v in values.items()}
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
 
 
 def _fits(value, kind) -> bool:

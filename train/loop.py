@@ -6,6 +6,7 @@ epoch ends and evaluations.
 import dataclasses
 import hashlib
 import platform
+import shutil
 import signal
 import sys
 import time
@@ -37,20 +38,29 @@ class Diverged(RunAborted):
     """The loss stayed non-finite."""
 
 
+class RunFinished(Exception):
+    """The run in --out-dir has nothing left to do: said in one line, its files untouched, exit 0."""
+
+
 class Preempted(Exception):
     """SIGUSR1/SIGTERM arrived: the checkpoint is written (and rank 0 said so) and the next start
     resumes by itself."""
 
 
 class StopSignal:
-    """Remembers a SIGUSR1 or SIGTERM (Slurm's warning before the time limit, a scheduler's stop)."""
+    """Remembers a SIGUSR1 or SIGTERM (Slurm's warning before the time limit, a scheduler's stop) or
+    a SIGINT (Ctrl-C): the run checkpoints and stops at the ranks' next agreement. A second Ctrl-C
+    stops at once."""
+    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 
     def __init__(self):
         self.raised = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in (signal.SIGUSR1, signal.SIGTERM)}
+        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
 
     def _handle(self, signum, frame):
         self.raised = True
+        if signum == signal.SIGINT:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def restore(self):
         for sig, handler in self.previous.items():
@@ -104,6 +114,7 @@ def run(cfg: Config) -> dict:
         log.metrics(kind="data", empty_classes=loader.empty_classes)
     log.end(K.INIT_STOP)
     log.start(K.RUN_START)
+    log.start_clock({"step": step, "epoch": epoch + step_in_epoch / steps_per_epoch} if cfg.resume else None)
     run_start = time.time()
 
     result = {"top1": None, "top5": None, "reached_target": False}
@@ -141,7 +152,7 @@ def run(cfg: Config) -> dict:
                     mean_loss, seconds = window.mean(engine), window.seconds()  # host sync, then the clock
                     _check_finite(bad_steps, cfg, step, out_dir, engine)
                     log.metrics(kind="train", step=step, epoch=epoch + step_in_epoch / steps_per_epoch,
-                                images=step * global_batch, seconds=round(time.time() - run_start, 3),
+                                images=step * global_batch, seconds=log.seconds(),
                                 img_per_s=round(window.steps * global_batch / seconds, 2), loss=mean_loss, lr=lr,
                                 **precision.log_fields())
                     window = LossMeter(device)
@@ -164,21 +175,21 @@ def run(cfg: Config) -> dict:
             if finished_epoch:
                 log.end(K.EPOCH_STOP, epoch_num=epoch_number)
                 epoch, step_in_epoch = epoch + 1, 0
-            img_per_s = epoch_meter.steps * global_batch / epoch_seconds
-            log.metrics(kind="epoch", step=step, epoch=epoch if finished_epoch else epoch + step_in_epoch / steps_per_epoch,
-                        images=step * global_batch, seconds=round(time.time() - run_start, 3),
-                        epoch_seconds=round(epoch_seconds, 3), img_per_s=round(img_per_s, 2), loss=mean_loss, lr=lr,
-                        skipped_images=skipped)
-            log.print(f"epoch {epoch_number:3d}/{cfg.epochs}  step {step:6d}  {epoch_seconds:7.1f} s  "
-                      f"{img_per_s:8.1f} img/s  loss {mean_loss:.4f}  lr {lr:.4g}")
+            if epoch_meter.steps:  # (none when a run resumes right after an epoch's last step)
+                img_per_s = epoch_meter.steps * global_batch / epoch_seconds
+                log.metrics(kind="epoch", step=step, epoch=epoch if finished_epoch else epoch + step_in_epoch / steps_per_epoch,
+                            images=step * global_batch, seconds=log.seconds(), epoch_seconds=round(epoch_seconds, 3),
+                            img_per_s=round(img_per_s, 2), loss=mean_loss, lr=lr, skipped_images=skipped)
+                log.print(f"epoch {epoch_number:3d}/{cfg.epochs}  step {step:6d}  {epoch_seconds:7.1f} s  "
+                          f"{img_per_s:8.1f} img/s  loss {mean_loss:.4f}  lr {lr:.4g}")
 
             last_epoch = epoch >= cfg.epochs
             if cfg.eval_every and ((finished_epoch and _eval_due(cfg, epoch_number)) or last_epoch or stop):
-                _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, step, global_batch,
-                                  run_start, result)
+                _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, step, global_batch, result)
                 stop = stop or result["reached_target"]
             if stop or last_epoch or (finished_epoch and epoch % cfg.checkpoint_every == 0):
-                _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine)
+                finished = "target" if result["reached_target"] else "epochs" if last_epoch else None
+                _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine, finished)
         if engine.world_size > 1:  # every rank must end with the model that was saved
             differing = replicas_differing(model, engine)
             log.metrics(kind="replicas", step=step, ranks=engine.world_size, differing_from_rank0=differing)
@@ -265,12 +276,13 @@ def _agreed(engine, step):
     (rank 0 prints it), so no rank goes on alone and no rank hangs waiting for one that stopped."""
     try:
         value, problem = step(), None
-    except (UsageError, DataError) as err:
+    except (UsageError, DataError, RunFinished) as err:
         value, problem = None, (type(err).__name__, str(err))
     problems = engine.gather_object(problem) if engine.world_size > 1 else [problem]
     first = next((p for p in problems if p is not None), None)
     if first is not None:
-        raise _agreed_error((DataError if first[0] == "DataError" else UsageError)(first[1]))
+        kind = {cls.__name__: cls for cls in (UsageError, DataError, RunFinished)}[first[0]]
+        raise _agreed_error(kind(first[1]))
     return value
 
 
@@ -297,24 +309,41 @@ def _check_out_dir(cfg: Config) -> None:
     out_dir = Path(cfg.out_dir) if cfg.out_dir else None
     if out_dir is None:
         return
-    if cfg.resume and not (out_dir / "checkpoint.pt").is_file():
+    saved = out_dir / "checkpoint.pt"
+    if cfg.resume and not saved.is_file():
         raise UsageError(f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume")
+    if saved.is_file():  # a run that is over stays as it is: a restarted finished job is not a failure
+        done = _nothing_left(cfg, checkpoint.peek(saved))
+        if done:
+            raise RunFinished(f"{out_dir} holds a finished run ({done}); nothing to do, its files are unchanged")
     if not cfg.resume and any((out_dir / name).exists() for name in RUN_FILES):
         raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
 
 
+def _nothing_left(cfg: Config, saved: dict) -> str:
+    """Why a saved run has no step left to take under these settings, or "" when it has."""
+    if saved.get("finished") == "target":
+        return f"reached --target-accuracy at step {saved['step']}"
+    if saved.get("finished") == "epochs" and saved["epoch"] >= cfg.epochs:
+        return f"all {saved['epoch']} epochs done at step {saved['step']}"
+    if cfg.resume and 0 < cfg.max_steps <= saved["step"]:
+        return f"at step {saved['step']}, --max-steps {cfg.max_steps}"
+    return ""
+
+
 def _make_out_dir(cfg: Config, engine) -> Path:
-    """Rank 0 creates the run directory and writes config.yaml; every rank learns the name."""
+    """Rank 0 creates the run directory and writes config.yaml; every rank learns the name. A
+    failure leaves nothing behind: the folders made for it are removed again."""
     out_dir = Path(engine.broadcast_object(_default_out_dir(cfg)) if engine.world_size > 1 else _default_out_dir(cfg))
     if engine.rank == 0:
-        made = not out_dir.exists()
+        first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))),
                                                               sort_keys=False))
         except OSError as err:
-            if made and out_dir.is_dir() and not any(out_dir.iterdir()):
-                out_dir.rmdir()
+            if first_new is not None:
+                shutil.rmtree(first_new, ignore_errors=True)
             raise UsageError(f"cannot write the run directory {out_dir} ({err.strerror or err}); "
                              "choose a writable --out-dir") from err
     return out_dir
@@ -351,7 +380,7 @@ def _check_finite(bad_steps: torch.Tensor, cfg: Config, step: int, out_dir: Path
                        f"stopped, last good checkpoint kept in {out_dir}; lower --lr"))
 
 
-def _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine) -> None:
+def _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch, engine, finished=None) -> None:
     """Rank 0 writes; every rank checks its weights (they are the same) and learns whether the
     write worked, so all stop together."""
     share_bn_statistics(model, engine, cfg.bn_span)
@@ -365,7 +394,7 @@ def _save(out_dir, model, optimizer, precision, cfg, step, epoch, step_in_epoch,
             checkpoint.save(out_dir / "checkpoint.pt", {
                 "model": engines.unwrap(model).state_dict(), "optimizer": optimizer.state_dict(),
                 "precision": precision.state_dict(), "step": step, "epoch": epoch, "step_in_epoch": step_in_epoch,
-                "config": to_dict(cfg)})
+                "finished": finished, "config": to_dict(cfg)})
         except OSError as err:
             problem = (f"could not write {out_dir / 'checkpoint.pt'} at step {step} ({err.strerror or err}); "
                        "the previous checkpoint is kept; free disk space and --resume")
@@ -414,7 +443,7 @@ def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
     return top1 / max(total, 1), top5 / max(total, 1), total
 
 
-def _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, step, global_batch, run_start, result):
+def _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, step, global_batch, result):
     share_bn_statistics(model, engine, cfg.bn_span)
     log.start(K.EVAL_START, epoch_num=epoch_number)
     eval_start = time.time()
@@ -425,7 +454,7 @@ def _evaluate_and_log(model, loader, precision, engine, log, cfg, epoch_number, 
     log.event(K.EVAL_ACCURACY, top1, epoch_num=epoch_number)
     log.end(K.BLOCK_STOP, first_epoch_num=_block_first_epoch(cfg, epoch_number))
     log.metrics(kind="eval", step=step, epoch=epoch_number, images=step * global_batch,
-                seconds=round(time.time() - run_start, 3), top1=round(top1, 5), top5=round(top5, 5),
+                seconds=log.seconds(), top1=round(top1, 5), top5=round(top5, 5),
                 eval_images=total, eval_seconds=round(eval_seconds, 3), skipped_images=skipped)
     log.print(f"eval  {epoch_number:3d}/{cfg.epochs}  top-1 {top1:.4f}  top-5 {top5:.4f}  ({total} images, {eval_seconds:.1f} s)")
     result.update(top1=top1, top5=top5, reached_target=bool(cfg.target_accuracy and top1 >= cfg.target_accuracy))
