@@ -8,8 +8,11 @@ ground truth: 1-based ILSVRC ids mapped to WordNet ids through data/meta.mat), D
 (split, path, bytes, sha256, what was converted) and, with --shards, DIR/shards/. CMYK JPEGs and
 files of other formats under a .JPEG name are re-encoded as RGB JPEG. The counts are checked
 against the official 1,281,167 / 50,000 / 1000 before anything is written; a difference is an
-error unless --allow-partial. An interrupted run resumes: finished classes are kept, a class is
-only made visible (renamed into place) once all its images are written.
+error unless --allow-partial. With --allow-partial, validation images of classes that have no
+training archive are left out (the loaders need the same classes in train/ and val/); the summary
+line after "prepared ..." says how many, of how many classes. An interrupted run resumes: finished
+classes are kept, a class is only made visible (renamed into place) once all its images are written.
+A file that is not a tar archive is named in a one-line error (exit 2).
 """
 import argparse
 import hashlib
@@ -19,6 +22,7 @@ import re
 import shutil
 import sys
 import tarfile
+from collections import Counter
 from pathlib import Path
 
 from PIL import Image
@@ -33,10 +37,19 @@ class PrepareError(Exception):
     pass
 
 
+def open_tar(what: str, fileobj=None) -> tarfile.TarFile:
+    """The tar archive named by what (or read from fileobj), or an error that names it: tarfile's own
+    message is several lines, one per compression tried, and names no file."""
+    try:
+        return tarfile.open(None if fileobj else what, fileobj=fileobj)
+    except tarfile.ReadError:
+        raise PrepareError(f"{what} is not a tar archive; pass the official ILSVRC2012 files") from None
+
+
 def read_devkit(devkit: Path) -> tuple[dict[int, str], list[int]]:
     """{ILSVRC id: wnid} of the 1000 leaf classes, and the validation ground truth (ids, in file order)."""
     from scipy.io import loadmat
-    with tarfile.open(devkit) as tar:
+    with open_tar(str(devkit)) as tar:
         members = {Path(m.name).name: m for m in tar.getmembers()}
         for needed in ("meta.mat", "ILSVRC2012_validation_ground_truth.txt"):
             if needed not in members:
@@ -45,6 +58,18 @@ def read_devkit(devkit: Path) -> tuple[dict[int, str], list[int]]:
         truth = tar.extractfile(members["ILSVRC2012_validation_ground_truth.txt"]).read().decode().split()
     wnid_of = {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in meta if int(s["num_children"]) == 0}
     return wnid_of, [int(t) for t in truth]
+
+
+def val_classes(val_members: list, truth: list[int], wnid_of: dict[int, str]) -> list[str]:
+    """The wnid of each validation image, by the number in its name (ILSVRC2012_val_00000001.JPEG has the first label)."""
+    wnids = []
+    for member in val_members:
+        match = re.search(r"(\d+)\.\w+$", member.name)
+        class_id = truth[int(match.group(1)) - 1] if match and 1 <= int(match.group(1)) <= len(truth) else None
+        if class_id not in wnid_of:
+            raise PrepareError(f"{member.name} of the validation archive has no class in the devkit's ground truth")
+        wnids.append(wnid_of[class_id])
+    return wnids
 
 
 def normalise(payload: bytes) -> tuple[bytes, str]:
@@ -74,17 +99,22 @@ def prepare(args) -> None:
             raise PrepareError(f"{path} does not exist; pass the official ILSVRC2012 files")
     wnid_of, truth = read_devkit(Path(args.devkit))
     out = Path(args.out)
-    with tarfile.open(args.train_tar) as train_tar, tarfile.open(args.val_tar) as val_tar:
+    with open_tar(args.train_tar) as train_tar, open_tar(args.val_tar) as val_tar:
         class_tars = sorted((m for m in train_tar.getmembers() if m.name.endswith(".tar")), key=lambda m: m.name)
         images_per_class = {}
         for member in class_tars:  # headers only: tarfile seeks past the image bytes
-            with tarfile.open(fileobj=train_tar.extractfile(member)) as inner:
+            with open_tar(f"{member.name} in {args.train_tar}", train_tar.extractfile(member)) as inner:
                 images_per_class[Path(member.name).stem] = sum(1 for m in inner.getmembers() if m.isfile())
         val_members = sorted((m for m in val_tar.getmembers() if m.isfile()), key=lambda m: m.name)
         counts = {"train": sum(images_per_class.values()), "val": len(val_members), "classes": len(class_tars)}
         differences = [f"{k} {counts[k]:,} (official {OFFICIAL[k]:,})" for k in OFFICIAL if counts[k] != OFFICIAL[k]]
         if len(truth) != len(val_members):
             raise PrepareError(f"the devkit has {len(truth)} ground-truth labels for {len(val_members)} validation images")
+        val_wnids = val_classes(val_members, truth, wnid_of)
+        # A class subset (--allow-partial): validation images of classes without training data would
+        # give val/ classes that train/ lacks, a tree the loaders refuse; they are left out and counted.
+        placed = [(m, wnid) for m, wnid in zip(val_members, val_wnids) if wnid in images_per_class]
+        left_out = Counter(wnid for wnid in val_wnids if wnid not in images_per_class)
         if set(images_per_class) - set(wnid_of.values()):
             raise PrepareError("training classes that the devkit does not list: "
                                f"{sorted(set(images_per_class) - set(wnid_of.values()))[:3]}")
@@ -121,9 +151,7 @@ def prepare(args) -> None:
             for wnid in sorted(images_per_class):
                 (partial / f"{wnid}.partial").mkdir(parents=True)
             lines = []
-            for member in val_members:
-                number = int(re.search(r"(\d+)\.\w+$", member.name).group(1))  # ILSVRC2012_val_00000001.JPEG
-                wnid = wnid_of[truth[number - 1]]
+            for member, wnid in placed:
                 write_image(partial / f"{wnid}.partial", Path(member.name).name, val_tar.extractfile(member).read(),
                             lines, "val", out)
             for folder in partial.iterdir():
@@ -136,8 +164,11 @@ def prepare(args) -> None:
         manifest.write("split\tpath\tbytes\tsha256\tnote\n")
         for part in sorted(manifests.glob("train-*.tsv")) + [manifests / "val.tsv"]:
             manifest.write(part.read_text())
-    print(f"prepared {counts['train']:,} training and {counts['val']:,} validation images of "
+    print(f"prepared {counts['train']:,} training and {len(placed):,} validation images of "
           f"{counts['classes']} classes in {out}")
+    if left_out:
+        print(f"{sum(left_out.values()):,} validation images of {len(left_out)} classes without training data left out "
+              f"(first: {', '.join(sorted(left_out)[:3])})")
     if args.shards:
         written = write_shards(out, out / "shards", args.shard_size)
         print(f"wrote shards of {written['train']:,} + {written['val']:,} samples to {out / 'shards'}")

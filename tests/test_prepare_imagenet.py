@@ -30,35 +30,44 @@ def add(tar, name, payload):
     tar.addfile(info, io.BytesIO(payload))
 
 
-@pytest.fixture()
-def archives(tmp_path):
-    colours = [(200, 30, 30), (30, 200, 30), (30, 30, 200)]
-    with tarfile.open(tmp_path / "ILSVRC2012_img_train.tar", "w") as train:
-        for wnid, colour in zip(WNIDS, colours):
+COLOURS = [(200, 30, 30), (30, 200, 30), (30, 30, 200), (200, 200, 30), (30, 200, 200)]
+
+
+def write_archives(root, wnids, truth, trained=None):
+    """The three official files in root: a devkit whose leaf classes are wnids (ILSVRC ids 1, 2, ...),
+    a training archive of the classes in trained (all by default), and validation image k (1-based)
+    of ILSVRC id truth[k-1]."""
+    trained = wnids if trained is None else trained
+    colour_of = dict(zip(wnids, COLOURS))
+    with tarfile.open(root / "ILSVRC2012_img_train.tar", "w") as train:
+        for wnid in trained:
             inner = io.BytesIO()
             with tarfile.open(fileobj=inner, mode="w") as class_tar:
                 for i in range(4):
-                    add(class_tar, f"{wnid}_{i}.JPEG", jpeg(colour))
-                if wnid == WNIDS[0]:
-                    add(class_tar, f"{wnid}_cmyk.JPEG", jpeg(colour, mode="CMYK"))
-                    add(class_tar, f"{wnid}_png.JPEG", jpeg(colour, fmt="PNG"))
+                    add(class_tar, f"{wnid}_{i}.JPEG", jpeg(colour_of[wnid]))
+                if wnid == wnids[0]:
+                    add(class_tar, f"{wnid}_cmyk.JPEG", jpeg(colour_of[wnid], mode="CMYK"))
+                    add(class_tar, f"{wnid}_png.JPEG", jpeg(colour_of[wnid], fmt="PNG"))
             add(train, f"{wnid}.tar", inner.getvalue())
-    # validation: image k (1-based) belongs to ILSVRC id truth[k-1]; ids 1..3 map to WNIDS via meta.mat
-    truth = [2, 1, 3, 3, 1, 2]
-    with tarfile.open(tmp_path / "ILSVRC2012_img_val.tar", "w") as val:
+    with tarfile.open(root / "ILSVRC2012_img_val.tar", "w") as val:
         for k, class_id in enumerate(truth, start=1):
-            add(val, f"ILSVRC2012_val_{k:08d}.JPEG", jpeg(colours[class_id - 1]))
-    synsets = np.zeros(4, dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("words", "O"), ("num_children", "O")])
-    for i, wnid in enumerate(WNIDS):
+            add(val, f"ILSVRC2012_val_{k:08d}.JPEG", jpeg(COLOURS[class_id - 1]))
+    synsets = np.zeros(len(wnids) + 1, dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("words", "O"), ("num_children", "O")])
+    for i, wnid in enumerate(wnids):
         synsets[i] = (i + 1, wnid, f"class {i}", 0)
-    synsets[3] = (1001, "n00001740", "entity", 3)  # an inner node of the hierarchy: not a class
+    synsets[-1] = (1001, "n00001740", "entity", 3)  # an inner node of the hierarchy: not a class
     mat = io.BytesIO()
     savemat(mat, {"synsets": synsets})
-    with tarfile.open(tmp_path / "ILSVRC2012_devkit_t12.tar.gz", "w:gz") as devkit:
+    with tarfile.open(root / "ILSVRC2012_devkit_t12.tar.gz", "w:gz") as devkit:
         add(devkit, "ILSVRC2012_devkit_t12/data/meta.mat", mat.getvalue())
         add(devkit, "ILSVRC2012_devkit_t12/data/ILSVRC2012_validation_ground_truth.txt",
             "".join(f"{t}\n" for t in truth).encode())
-    return tmp_path
+    return root
+
+
+@pytest.fixture()
+def archives(tmp_path):
+    return write_archives(tmp_path, WNIDS, truth=[2, 1, 3, 3, 1, 2])
 
 
 def prepare(archives, out, *extra):
@@ -112,3 +121,35 @@ def test_an_interrupted_preparation_resumes_without_redoing_finished_classes(arc
     assert (out / "train" / WNIDS[0] / f"{WNIDS[0]}_0.JPEG").stat().st_mtime_ns == kept
     assert len(list((out / "train" / WNIDS[2]).iterdir())) == 4 and not (out / "train" / f"{WNIDS[2]}.partial").exists()
     assert len((out / "manifest.tsv").read_text().splitlines()) == 1 + 14 + 6
+
+
+def test_validation_images_of_classes_without_training_data_are_left_out_and_counted(tmp_path):
+    # a devkit of five classes, training archives of the first three, validation images of all five
+    wnids = WNIDS + ["n01491361", "n01494475"]
+    write_archives(tmp_path, wnids, truth=[2, 4, 1, 5, 3, 4, 1], trained=WNIDS)
+    out = tmp_path / "out"
+    result = prepare(tmp_path, out, "--allow-partial")
+    assert result.returncode == 0 and "Traceback" not in result.stderr, result.stderr
+    assert "prepared 14 training and 4 validation images of 3 classes" in result.stdout
+    assert "3 validation images of 2 classes without training data left out" in result.stdout
+    assert check_tree(str(out)) == WNIDS
+    assert sorted(p.name for p in (out / "val" / WNIDS[0]).iterdir()) == ["ILSVRC2012_val_00000003.JPEG", "ILSVRC2012_val_00000007.JPEG"]
+    assert [p.name for p in (out / "val" / WNIDS[1]).iterdir()] == ["ILSVRC2012_val_00000001.JPEG"]
+    assert [p.name for p in (out / "val" / WNIDS[2]).iterdir()] == ["ILSVRC2012_val_00000005.JPEG"]
+    assert not list(out.rglob("*.partial"))
+    assert len((out / "manifest.tsv").read_text().splitlines()) == 1 + 14 + 4
+    again = prepare(tmp_path, out, "--allow-partial")  # a resumed run reports the same
+    assert again.returncode == 0 and "3 validation images of 2 classes without training data left out" in again.stdout
+
+
+@pytest.mark.parametrize("flag", ["--train-tar", "--val-tar", "--devkit"])
+def test_a_file_that_is_not_a_tar_archive_is_named_in_one_error_line(archives, flag):
+    notes = archives / "notes.txt"
+    notes.write_text("not an archive\n")
+    files = {"--train-tar": archives / "ILSVRC2012_img_train.tar", "--val-tar": archives / "ILSVRC2012_img_val.tar",
+             "--devkit": archives / "ILSVRC2012_devkit_t12.tar.gz", flag: notes}
+    result = subprocess.run([sys.executable, str(SCRIPT), *[str(a) for pair in files.items() for a in pair],
+                             "--out", str(archives / "out"), "--allow-partial"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: ") and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"{notes} is not a tar archive" in result.stderr

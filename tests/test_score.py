@@ -171,8 +171,9 @@ def test_crashed_truncated_and_unevaluated_runs(tmp_path):
     assert result.returncode == 2 and "never evaluated" in result.stderr
     both = score(never, crashed, "--no-check", cwd=tmp_path)  # something can be scored: exit 0 with a warning
     assert both.returncode == 0 and "never evaluated" in both.stderr and "crashed" in both.stdout
-    missing = score(tmp_path / "nothing", cwd=tmp_path)
-    assert missing.returncode == 2 and "no mllog.txt" in missing.stderr
+    (tmp_path / "empty").mkdir()
+    empty = score(tmp_path / "empty", cwd=tmp_path)
+    assert empty.returncode == 2 and "no mllog.txt" in empty.stderr
     backwards = make_run(tmp_path, "backwards", [(-5, 0.5)], stop_s=-1)
     assert "not after run_start" in score(backwards, cwd=tmp_path).stderr
 
@@ -196,3 +197,100 @@ def test_compliance_verdict_and_report_on_real_runs(tmp_path):
     width, height = struct.unpack(">II", png[16:24])
     assert (width, height) == (1200, 450)
     assert not (tmp_path / "compliance_checker.log").exists()
+
+
+def test_each_problem_is_said_once_and_a_missing_path_is_named(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = score("runs/x", "empty", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr == "error: runs/x does not exist; empty holds no mllog.txt; is it a run directory?\n"
+    make_run(tmp_path, "good", [(100, 0.76)], stop_s=100)
+    partly = score("runs/x", "good", "--no-check", cwd=tmp_path)
+    assert partly.returncode == 0 and partly.stderr == "warning: runs/x does not exist\n"
+
+
+def write_metrics(run, records):
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in records))
+
+
+def test_throughput_of_a_run_shorter_than_a_logging_window_is_drawn_from_its_epoch_records(tmp_path):
+    from train.score import read_metrics, report_figure, score_run, throughput_series
+    t0 = T0 / 1000
+    short = make_run(tmp_path, "short", [(100, 0.5), (200, 0.6)], stop_s=200, images=20_000)
+    write_metrics(short, [{"kind": "epoch", "step": 5, "epoch": 1, "images": 10_000, "seconds": 90.0, "img_per_s": 111.1,
+                           "time": t0 + 90},
+                          {"kind": "eval", "epoch": 1, "top1": 0.5, "eval_images": 100, "seconds": 100.0, "time": t0 + 100},
+                          {"kind": "epoch", "step": 10, "epoch": 2, "images": 20_000, "seconds": 190.0,
+                           "img_per_s": 111.1, "time": t0 + 190},
+                          {"kind": "eval", "epoch": 2, "top1": 0.6, "eval_images": 100, "seconds": 200.0, "time": t0 + 200}])
+    bare = make_run(tmp_path, "bare", [(100, 0.5)], stop_s=100)
+    write_metrics(bare, [{"kind": "eval", "epoch": 1, "top1": 0.5, "eval_images": 100, "seconds": 100.0, "time": t0 + 100}])
+    assert throughput_series(read_metrics(short, [])) == ([[(90.0, 111.1), (190.0, 111.1)]], [])
+    assert throughput_series(read_metrics(bare, [])) == ([], [])
+    scores = [score_run(run, 0.763, 5, 0.759, check=False) for run in (short, bare)]
+    assert scores[0].throughput_img_s == pytest.approx(100.0)  # 20,000 images in 200 s, as the table says
+    figure = report_figure(scores, 0.759)
+    throughput = figure.axes[0]
+    drawn = [line for line in throughput.get_lines() if line.get_label() == "short"]
+    assert len(drawn) == 1 and list(drawn[0].get_xdata()[:2]) == [90.0, 190.0]
+    assert [text.get_text() for text in throughput.get_legend().get_texts()] == ["short"]  # none for bare
+
+
+def resumed_run(root, stop=True, first_stop=None):
+    """Trained 1,200 s, down 1,000 s, trained 800 s more: 1,000,000 images in 2,000 s of training, 3,000 s of wall time.
+    The first segment ends without run_stop (preempted) or, given first_stop, with one of that status."""
+    run = make_run(root, "resumed", [(1000, 0.70)])
+    lines = [mllog_line("run_start", T0), mllog_line("eval_accuracy", T0 + 1_000_000, 0.70, epoch_num=1)]
+    if first_stop:
+        lines.append(mllog_line("run_stop", T0 + 1_200_000, status=first_stop))
+    lines += [mllog_line("run_start", T0 + 2_200_000),  # back at 2,200 s
+              mllog_line("eval_accuracy", T0 + 2_900_000, 0.765, epoch_num=2)]
+    if stop:
+        lines.append(mllog_line("run_stop", T0 + 3_000_000, status="success"))
+    (run / "mllog.txt").write_text("\n".join(lines) + "\n")
+    t0 = T0 / 1000
+    write_metrics(run, [
+        {"kind": "train", "step": 100, "images": 300_000, "seconds": 600.0, "img_per_s": 500.0, "time": t0 + 600},
+        {"kind": "epoch", "step": 167, "images": 500_000, "seconds": 1000.0, "img_per_s": 500.0, "time": t0 + 1000},
+        {"kind": "eval", "epoch": 1, "top1": 0.70, "eval_images": 50_000, "seconds": 1000.0, "time": t0 + 1000},
+        {"kind": "train", "step": 200, "images": 600_000, "seconds": 1200.0, "img_per_s": 500.0, "time": t0 + 1200},
+        {"kind": "resume", "step": 200, "epoch": 1.2, "seconds": 1200.0, "gap_s": 1000.0, "time": t0 + 2200},
+        {"kind": "train", "step": 300, "images": 900_000, "seconds": 1800.0, "img_per_s": 500.0, "time": t0 + 2800},
+        {"kind": "eval", "epoch": 2, "top1": 0.765, "eval_images": 50_000, "seconds": 1900.0, "time": t0 + 2900},
+        {"kind": "epoch", "step": 334, "images": 1_000_000, "seconds": 2000.0, "img_per_s": 500.0, "time": t0 + 3000}])
+    return run
+
+
+def test_a_resumed_run_is_measured_in_training_time(tmp_path):
+    run = resumed_run(tmp_path)
+    result = score(run, "--json", "--no-check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    assert got["wall_time_s"] == pytest.approx(3000.0) and got["training_time_s"] == pytest.approx(2000.0)
+    assert got["time_to_quality_s"] == pytest.approx(2000.0)
+    assert got["time_to_target_s"] == pytest.approx(1900.0)  # the eval at 2,900 s of wall time, 1,000 s of it down
+    assert got["throughput_img_s"] == pytest.approx(500.0)  # not 1,000,000 / 3,000 = 333
+    total = 1_000_000 * train_flops_per_image("resnet50", 224, 1000) + 100_000 * eval_flops_per_image("resnet50", 224, 1000)
+    assert got["flops"] == pytest.approx(total / 2000.0)
+    assert got["status"] == "complete, resumed 1x"
+    assert any("training time" in note for note in got["notes"])
+    table = score(run, "--no-check", cwd=tmp_path).stdout
+    assert "wall s" in table.splitlines()[0] and "3000.0" in table and "2000.0" in table
+    (tmp_path / "crashed").mkdir()
+    # aborted (a non-finite loss), resumed, then crashed: the last segment's end is the run's end
+    crashed = resumed_run(tmp_path / "crashed", stop=False, first_stop="aborted")
+    got = json.loads(score(crashed, "--json", "--no-check", cwd=tmp_path).stdout)
+    assert got["status"] == "crashed, resumed 1x"  # scored up to its last eval: 2,900 s of wall time
+    assert got["wall_time_s"] == pytest.approx(2900.0) and got["training_time_s"] == pytest.approx(1900.0)
+
+
+def test_a_resumed_run_is_drawn_in_segments_with_each_resume_marked(tmp_path):
+    from train.score import read_metrics, report_figure, score_run, throughput_series
+    run = resumed_run(tmp_path)
+    segments, resumes = throughput_series(read_metrics(run, []))
+    assert segments == [[(600.0, 500.0), (1200.0, 500.0)], [(1800.0, 500.0)]] and resumes == [1200.0]
+    throughput = report_figure([score_run(run, 0.763, 5, 0.759, check=False)], 0.759).axes[0]
+    dotted = [line for line in throughput.get_lines() if line.get_linestyle() == ":"]
+    assert len(dotted) == 1 and list(dotted[0].get_xdata()) == [1200.0, 1200.0]
+    seconds = [x for x in throughput.get_lines()[0].get_xdata() if x == x]  # NaN breaks the line at the resume
+    assert seconds == sorted(seconds) == [600.0, 1200.0, 1800.0]

@@ -4,6 +4,15 @@ verdict of training runs; `--time-s T --top1 A [--epochs 90]` scores a published
 
 FLOPs are counted, not assumed: training FLOPs per image of the run's arch and image size
 (models.train_flops_per_image) x images trained, plus forward FLOPs x images evaluated.
+
+A resumed run (metrics.jsonl has a `resume` record at the start of each later segment, with the
+downtime `gap_s`) is measured in training time, the downtime excluded: time to quality, time to
+target, throughput and FLOPS; `training_time_s` and `wall_time_s` (first run_start to the end) are
+both given (the table's `time s` and `wall s`), and the status gains `, resumed Nx`
+(`complete, resumed 1x`); the report breaks the throughput line at each resume and marks it with
+a dotted line. The run's end is the last segment's run_stop; a last segment without one is
+`crashed`. The MLPerf verdict stays the checker's (it fails a log with several run_start lines).
+A run without `resume` records has training time = wall time, as before.
 """
 import argparse
 import json
@@ -43,6 +52,8 @@ class Score:
     mlperf_verdict: str = ""
     time_to_target_s: float | None = None
     reached_target: bool | None = None
+    training_time_s: float | None = None
+    wall_time_s: float | None = None
     status: str = "complete"
     hpc_ai500_level: str = ""
     level_reason: str = ""
@@ -64,6 +75,25 @@ def read_mllog(path: Path, notes: list) -> list[dict]:
         except json.JSONDecodeError:
             notes.append(f"line {number} of {path.name} is cut off; ignored")
     return events
+
+
+def read_metrics(run_dir: Path, notes: list) -> list[dict]:
+    """The records of run_dir/metrics.jsonl in file order; none when it is missing."""
+    metrics = []
+    if (run_dir / "metrics.jsonl").is_file():
+        for line in (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines():
+            try:
+                metrics.append(json.loads(line))
+            except json.JSONDecodeError:
+                notes.append("a line of metrics.jsonl is cut off; ignored")
+    return metrics
+
+
+def training_seconds(time_ms: float, run_start_ms: float, resumes: list[dict]) -> float:
+    """Seconds from the first run_start to time_ms, less the downtime of the resumes before it: the
+    trainer's own `seconds` clock."""
+    downtime = sum(r.get("gap_s") or 0 for r in resumes if r["time"] * 1000 <= time_ms)
+    return (time_ms - run_start_ms) / 1000 - downtime
 
 
 def compliance(mllog: Path) -> tuple[bool, str]:
@@ -99,15 +129,18 @@ def hpc_ai500_level(config: dict) -> tuple[str, str]:
 def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, check: bool) -> Score:
     notes: list[str] = []
     mllog = run_dir / "mllog.txt"
+    if not run_dir.exists():
+        raise ScoreError(f"{run_dir} does not exist")
     if not mllog.is_file():
         raise ScoreError(f"{run_dir} holds no mllog.txt; is it a run directory?")
     events = read_mllog(mllog, notes)
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
     starts = [e["time_ms"] for e in events if e["key"] == "run_start"]
-    stops = [e for e in events if e["key"] == "run_stop"]
     evals = [e for e in events if e["key"] == "eval_accuracy"]
     if not starts:
         raise ScoreError(f"{mllog} has no run_start; the run never began training")
+    # One run_start per segment of a resumed run: only the last segment's run_stop ends the run.
+    stops = [e for e in events if e["key"] == "run_stop" and e["time_ms"] >= starts[-1]]
     if not evals:
         raise ScoreError(f"{mllog} has no eval_accuracy; the run never evaluated, so it has no quality to score")
     run_start = starts[0]
@@ -119,16 +152,18 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     else:
         end_ms, status = evals[-1]["time_ms"], "crashed"
         notes.append("no run_stop: the run crashed or is still running; scored up to its last complete eval")
-    seconds = (end_ms - run_start) / 1000
+    metrics = read_metrics(run_dir, notes)
+    resumes = [m for m in metrics if m.get("kind") == "resume"]
+    wall_seconds, seconds = (end_ms - run_start) / 1000, training_seconds(end_ms, run_start, resumes)
     if seconds <= 0:
         raise ScoreError(f"{mllog}: run_stop is not after run_start; the log's clock is broken")
-    metrics = []
-    if (run_dir / "metrics.jsonl").is_file():
-        for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-            try:
-                metrics.append(json.loads(line))
-            except json.JSONDecodeError:
-                notes.append("a line of metrics.jsonl is cut off; ignored")
+    if resumes:
+        status += f", resumed {len(resumes)}x"
+        notes.append(f"resumed {len(resumes)}x: time to quality, time to target and throughput are in training time "
+                     f"({seconds:.1f} s); the wall time {wall_seconds:.1f} s includes {wall_seconds - seconds:.1f} s down")
+    elif len(starts) > 1:
+        notes.append(f"{len(starts)} run_start lines but no resume records in metrics.jsonl: the times include the "
+                     "downtime between segments")
     last_eval_time = evals[-1]["time_ms"] if status == "crashed" else end_ms
     trained = [m for m in metrics if m.get("kind") in ("train", "epoch") and m["time"] * 1000 <= last_eval_time + 1]
     images = max((m["images"] for m in trained), default=0)
@@ -147,8 +182,9 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
                  throughput_img_s=round(images / seconds, 2), top1=top1, total_flop=total_flop, flops=flops,
                  valid_flops=valid_flops(flops, top1, target, power), mlperf_compliant=verdict[0],
                  mlperf_verdict=verdict[1], reached_target=bool(reached),
-                 time_to_target_s=round((reached[0]["time_ms"] - run_start) / 1000, 3) if reached else None,
-                 status=status, hpc_ai500_level=level, level_reason=reason, config_key=key, notes=notes)
+                 time_to_target_s=round(training_seconds(reached[0]["time_ms"], run_start, resumes), 3) if reached else None,
+                 training_time_s=round(seconds, 3), wall_time_s=round(wall_seconds, 3), status=status,
+                 hpc_ai500_level=level, level_reason=reason, config_key=key, notes=notes)
 
 
 def _classes(config) -> int:
@@ -168,7 +204,8 @@ def score_published(time_s: float, top1: float, epochs: float, train_images: int
     total_flop = images * train_flops_per_image(arch, image_size)
     flops = total_flop / time_s
     return Score(run="published", time_to_quality_s=time_s, images=images, throughput_img_s=round(images / time_s, 2),
-                 top1=top1, total_flop=total_flop, flops=flops, valid_flops=valid_flops(flops, top1, target, power),
+                 training_time_s=time_s, wall_time_s=time_s, top1=top1, total_flop=total_flop, flops=flops,
+                 valid_flops=valid_flops(flops, top1, target, power),
                  status="published", notes=[f"{epochs:g} epochs x {train_images:,} images"])
 
 
@@ -187,39 +224,70 @@ def mlperf_score(scores: list[Score]) -> dict:
     return {"valid": True, "score_s": sum(kept) / len(kept), "runs": len(scores), "averaged": len(kept)}
 
 
-def draw_report(scores: list[Score], path: Path, target: float) -> Path:
+def throughput_series(metrics: list[dict]) -> tuple[list[list[tuple[float, float]]], list[float]]:
+    """What the throughput panel draws of one run: (seconds, img/s) points, one list per segment (a
+    resume starts a new one), and the `seconds` of each resume. The points are the `train` records;
+    a run shorter than two logging windows has the `epoch` records' throughput too."""
+    train = [m for m in metrics if m.get("kind") == "train"]
+    kinds = ("train",) if len(train) >= 2 else ("train", "epoch")
+    segments, resumes = [[]], []
+    for m in metrics:  # in file order: seconds grows, and a resume comes before its segment's records
+        if m.get("kind") == "resume":
+            resumes.append(m["seconds"])
+            segments.append([])
+        elif m.get("kind") in kinds and "img_per_s" in m:
+            segments[-1].append((m["seconds"], m["img_per_s"]))
+    return [segment for segment in segments if segment], resumes
+
+
+def report_figure(scores: list[Score], target: float):
     import matplotlib
     matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    for number, s in enumerate(scores):
+        metrics = read_metrics(Path(s.run), [])
+        evals = [m for m in metrics if m.get("kind") == "eval"]
+        name, colour = Path(s.run).name, f"C{number}"  # one colour per run in both panels
+        segments, resumes = throughput_series(metrics)
+        if segments:  # nothing drawn, no legend entry
+            xs, ys = [], []
+            for segment in segments:  # NaN after each: one line, one legend entry, broken at each resume
+                xs += [seconds for seconds, _ in segment] + [float("nan")]
+                ys += [rate for _, rate in segment] + [float("nan")]
+            left.plot(xs, ys, color=colour, marker="o" if len(xs) < 20 else None, label=name)
+        for seconds in resumes:
+            left.axvline(seconds, color=colour, linestyle=":")
+        right.plot([m["epoch"] for m in evals], [m["top1"] for m in evals], color=colour, marker="o", label=name)
+    right.axhline(target, color="red", linestyle="--", label=f"target {target}")
+    left.set(xlabel="training seconds since run start (dotted: resumed)", ylabel="training images / s",
+             title="Throughput")
+    right.set(xlabel="epoch", ylabel="top-1", title="Accuracy", ylim=(0, 1))
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        if axis.get_legend_handles_labels()[0]:
+            axis.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def draw_report(scores: list[Score], path: Path, target: float) -> Path:
     import matplotlib.pyplot as plt
     path = Path(path)
     if path.is_dir() or not path.suffix:
         path.mkdir(parents=True, exist_ok=True)
         path = path / "report.png"
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
-    for s in scores:
-        metrics = [json.loads(line) for line in (Path(s.run) / "metrics.jsonl").read_text().splitlines() if line.strip()]
-        train = [m for m in metrics if m.get("kind") == "train"]
-        evals = [m for m in metrics if m.get("kind") == "eval"]
-        name = Path(s.run).name
-        left.plot([m["seconds"] for m in train], [m["img_per_s"] for m in train], label=name)
-        right.plot([m["epoch"] for m in evals], [m["top1"] for m in evals], marker="o", label=name)
-    right.axhline(target, color="red", linestyle="--", label=f"target {target}")
-    left.set(xlabel="seconds since run start", ylabel="training images / s", title="Throughput")
-    right.set(xlabel="epoch", ylabel="top-1", title="Accuracy", ylim=(0, 1))
-    for axis in (left, right):
-        axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
-    fig.tight_layout()
+    fig = report_figure(scores, target)
     fig.savefig(path)
     plt.close(fig)
     return path
 
 
 def _table(scores: list[Score]) -> str:
-    rows = [("run", "status", "time s", "to 75.9% s", "images", "img/s", "top-1", "total FLOP", "FLOPS",
+    rows = [("run", "status", "time s", "wall s", "to 75.9% s", "images", "img/s", "top-1", "total FLOP", "FLOPS",
              "Valid FLOPS", "MLPerf", "AI500 level")]
     for s in scores:
-        rows.append((Path(s.run).name, s.status, f"{s.time_to_quality_s:.1f}",
+        rows.append((Path(s.run).name, s.status, f"{s.time_to_quality_s:.1f}", f"{s.wall_time_s:.1f}",
                      "-" if s.time_to_target_s is None else f"{s.time_to_target_s:.1f}", f"{s.images:,}",
                      f"{s.throughput_img_s:.1f}", f"{s.top1:.4f}", f"{s.total_flop:.3e}", f"{s.flops:.3e}",
                      f"{s.valid_flops:.3e}", {True: "SUCCESS", False: "FAILED", None: "-"}[s.mlperf_compliant],
@@ -265,9 +333,10 @@ def main(argv=None) -> int:
                     scores.append(score_run(Path(run), args.target, args.power, args.mlperf_target, not args.no_check))
                 except ScoreError as err:
                     problems.append(str(err))
-                    print(f"warning: {err}", file=sys.stderr)
-            if not scores:
+            if not scores:  # each problem once, in the one error line
                 raise ScoreError("; ".join(problems))
+            for problem in problems:
+                print(f"warning: {problem}", file=sys.stderr)
         else:
             raise ScoreError("give run directories, or --time-s and --top1 for a published result")
     except ScoreError as err:
