@@ -14,7 +14,6 @@ import torch
 
 from data.decode import complete_jpeg, complete_png
 from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader
-from train.precision import resolve
 
 
 def _encoded(source, index: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -44,7 +43,7 @@ class DaliLoader(FileLoader):
         self.decode_device = "mixed" if gpu else "cpu"
         # batches in the training precision where DALI has it: fp16 (V100s); DALI has no bf16, so
         # bf16 and fp32 runs get fp32 and autocast casts at the first convolution
-        self.half = gpu and resolve(cfg.precision, device) == "fp16"
+        self.half = gpu and cfg.precision == "fp16"
         self.out_type = types.FLOAT16 if self.half else types.FLOAT
         self.pipeline_def = pipeline_def
 

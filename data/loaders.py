@@ -1,70 +1,47 @@
-"""What every loader shares (the tree check, the sample sources, the sampler, the Loader interface),
-the synthetic loader, and build_loader behind `--loader`: torch (data/torch_loader.py), dali
-(data/dali.py) or synthetic.
+"""What every loader shares (the settings it is given, the sample sources, the sampler, the Loader
+interface) and the synthetic loader. The file loaders are data/torch_loader.py and data/dali.py;
+data/__init__.py chooses one by name.
 
 A Loader knows its sizes and yields device batches; the loop never asks which one it has.
 """
-import os
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
-import torchvision
 
-from data.shards import ShardSamples, is_shard_tree, read_classes
+from data.shards import ShardSamples
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
+from data.tree import DataError, is_shard_tree, list_samples
+
+@dataclass(frozen=True)
+class LoaderSettings:
+    """What a loader is told: the few settings of the run that shape its batches."""
+    data_dir: str = ""
+    batch_size: int = 256  # per rank
+    image_size: int = 224
+    workers: int = 4
+    seed: int = 0
+    channels_last: bool = True
+    precision: str = "fp32"  # the run's resolved precision (fp32 | bf16 | fp16): DALI hands out fp16 for fp16
+    crop_min_scale: float = 0.08
+    crop_max_scale: float = 1.0
+    crop_min_aspect: float = 3 / 4
+    crop_max_aspect: float = 4 / 3
+    synthetic_images: int = 1_281_167
+    synthetic_val_images: int = 50_000
+    synthetic_classes: int = 1000
+
+    @classmethod
+    def of(cls, settings, **changes) -> "LoaderSettings":
+        """The loader's settings out of any object that has them as attributes (the run's config)."""
+        return cls(**{**{f.name: getattr(settings, f.name) for f in fields(cls)}, **changes})
+
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre crop
 
-
-class DataError(ValueError):
-    """The data given cannot be used; the message says what to do."""
-
-
-def _classes(split_dir: Path) -> list[str]:
-    return sorted(entry.name for entry in os.scandir(split_dir) if entry.is_dir())
-
-
-def check_tree(data_dir: str) -> list[str]:
-    """The sorted class names of an ImageNet-layout tree (or of tar shards with classes.txt),
-    or a DataError saying what is wrong."""
-    root = Path(data_dir)
-    if not root.is_dir():
-        raise DataError(f"data directory {root} does not exist; pass --data-dir with train/<class>/*.jpg and val/<class>/*.jpg")
-    if is_shard_tree(root):
-        if not any((root / "val").glob("*.tar")):
-            raise DataError(f"{root} has training shards but no val/*.tar; write both splits with scripts/make_shards.py")
-        return read_classes(root)
-    for split in ("train", "val"):
-        if not (root / split).is_dir():
-            raise DataError(f"data directory {root} has no {split}/ folder; expected {split}/<class>/*.jpg")
-    train_classes, val_classes = _classes(root / "train"), _classes(root / "val")
-    if not train_classes:
-        raise DataError(f"{root / 'train'} holds no class folders; expected train/<class>/*.jpg")
-    if train_classes != val_classes:
-        only_train = sorted(set(train_classes) - set(val_classes))[:3]
-        only_val = sorted(set(val_classes) - set(train_classes))[:3]
-        raise DataError(f"train and val classes differ in {root} (only in train: {only_train}, only in val: {only_val}); "
-                        "both splits need the same class folders")
-    for split in ("train", "val"):
-        if not any(name.lower().endswith(IMAGE_EXTENSIONS)
-                   for cls in train_classes for name in os.listdir(root / split / cls)):
-            raise DataError(f"{root / split} holds no images; expected {split}/<class>/*.jpg")
-    return train_classes
-
-
-def list_samples(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
-    """(path, label) of every sample of one split of an ImageFolder tree, in the order the trainer
-    indexes them; the shard writer (data/shards.py) lists a tree with this too, so shards hold the
-    same samples. torchvision's ImageFolder rule: class by class, each class folder walked with its
-    subfolders (symlinks followed), names sorted, every file with an image extension. A file that
-    turns out unreadable (a broken link, zero bytes) stays a sample: the loaders skip and count it."""
-    class_to_idx = {c: i for i, c in enumerate(classes)}
-    return torchvision.datasets.folder.make_dataset(str(split_dir), class_to_idx, extensions=IMAGE_EXTENSIONS,
-                                                    allow_empty=True)
 
 
 class FolderSource:
@@ -176,15 +153,3 @@ class SyntheticLoader(Loader):
     def val_batches(self):
         for batch in eval_batches(self.val_images, self.cfg.batch_size, self.rank, self.world_size):
             yield self._batch(torch.tensor(batch) + _VAL_STREAM)
-
-
-def build_loader(cfg, rank: int, world_size: int, device: torch.device) -> Loader:
-    if cfg.loader == "synthetic":
-        return SyntheticLoader(cfg, rank, world_size, device)
-    if cfg.loader == "torch":
-        from data.torch_loader import TorchLoader
-        return TorchLoader(cfg, check_tree(cfg.data_dir), rank, world_size, device)
-    if cfg.loader == "dali":
-        from data.dali import DaliLoader
-        return DaliLoader(cfg, check_tree(cfg.data_dir), rank, world_size, device)
-    raise DataError(f"unknown --loader {cfg.loader!r}; choose torch, dali or synthetic")

@@ -14,6 +14,8 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from data.tree import DataError, check_tree, list_samples, write_classes
+
 INDEX_VERSION = "v1.2"
 _SHARD_FILE = re.compile(r"shard-\d{6}\.(tar|idx|tar\.partial)")  # what write_shards writes (.partial: older versions)
 
@@ -26,16 +28,6 @@ def _member(tar: tarfile.TarFile, name: str, payload: bytes) -> tuple[int, int]:
     header = tar.offset
     tar.addfile(info, io.BytesIO(payload))  # a short USTAR name: one 512-byte header block
     return header + tarfile.BLOCKSIZE, info.size
-
-
-def write_classes(out: Path, classes: list[str]) -> None:
-    (Path(out) / "classes.txt").write_text("".join(f"{name}\n" for name in classes), encoding="utf-8", newline="\n")
-
-
-def read_classes(root: Path) -> list[str]:
-    """The class names of classes.txt, one per line (names may hold spaces)."""
-    text = (Path(root) / "classes.txt").read_bytes().decode("utf-8")  # bytes: no newline translation
-    return [name for name in text.split("\n") if name]
 
 
 def _holds_only_shards(out: Path) -> bool:
@@ -73,7 +65,6 @@ def write_shards(tree: Path, out: Path, shard_size: int = 1000) -> dict:
     """Shards of both splits of an ImageFolder tree: {"train": count, "val": count, "unreadable": [paths
     stored empty]}. The set is written into a sibling folder and renamed into place at the end, so `out`
     holds its old set or the whole new one, never a mix; a folder holding anything else is refused."""
-    from data.loaders import DataError, check_tree, list_samples  # here: data.loaders imports this module
     tree, out = Path(tree), Path(os.path.abspath(out))
     classes = check_tree(str(tree))
     if any("\n" in name for name in classes):
@@ -113,10 +104,6 @@ def read_index(tar_path: Path) -> list[dict]:
         fields = line.split()
         samples.append({fields[i]: (int(fields[i + 1]), int(fields[i + 2])) for i in range(0, len(fields), 4)})
     return samples
-
-
-def is_shard_tree(data_dir) -> bool:
-    return (Path(data_dir) / "classes.txt").is_file() and any(Path(data_dir, "train").glob("*.tar"))
 
 
 class ShardSamples:

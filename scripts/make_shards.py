@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from data.loaders import DataError  # noqa: E402
-from data.shards import is_shard_tree, write_shards  # noqa: E402
+from data.tree import DataError, is_shard_tree  # noqa: E402
+from data.shards import write_shards  # noqa: E402
 
 
 def main() -> int:

@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from train import checkpoint
-from train.config import Config
-from train.loop import _eval_due, _first_of_block, _next_eval_epoch
+from train.schedule import EvalPlan
 
 
 def test_save_replaces_atomically_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
@@ -27,10 +26,11 @@ def test_save_replaces_atomically_and_a_failed_write_keeps_the_old_file(tmp_path
 
 @pytest.mark.parametrize("every, offset, expected", [(4, 0, [4, 8, 10]), (4, 3, [1, 5, 9, 10]), (1, 0, list(range(1, 11)))])
 def test_eval_epochs_follow_every_and_offset(every, offset, expected):
-    cfg = Config(eval_every=every, eval_offset=offset, epochs=10)
-    due = [e for e in range(1, 11) if _eval_due(cfg, e) or e == cfg.epochs]
+    plan = EvalPlan(every, offset, epochs=10)
+    due = [e for e in range(1, 11) if plan.due(e) or e == 10]
     assert due == expected
     # MLLOG blocks run from the epoch after an eval to the next eval (or the end)
-    starts = [e for e in range(1, 11) if _first_of_block(cfg, e)]
+    starts = [e for e in range(1, 11) if plan.starts_block(e)]
     assert starts == [1] + [e + 1 for e in expected[:-1]]
-    assert [_next_eval_epoch(cfg, s) for s in starts] == expected
+    assert [plan.next_eval(s) for s in starts] == expected
+    assert [plan.block_start(e) for e in expected] == starts

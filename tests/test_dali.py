@@ -10,7 +10,7 @@ from PIL import Image
 
 from conftest import read_metrics, run_train
 from data.dali import DaliLoader
-from data.loaders import check_tree
+from data.tree import check_tree
 from data.torch_loader import TorchLoader
 from train.config import Config
 

@@ -6,7 +6,7 @@ import torch
 from PIL import Image
 
 import data.embedded as embedded
-from data.loaders import check_tree
+from data.tree import check_tree
 from data.torch_loader import TorchLoader
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch

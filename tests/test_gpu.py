@@ -45,7 +45,8 @@ def test_fp16_loss_scaler_skips_overflowing_steps():
     precision = Precision("fp16", device)
     w = torch.nn.Parameter(torch.ones(4, device=device))
     opt = torch.optim.SGD([w], lr=1.0)
-    precision.backward_and_step((w * float("inf")).sum(), opt)  # overflow: the step must be skipped
+    precision.backward((w * float("inf")).sum())
+    precision.step(opt)  # overflow: the step must be skipped
     assert torch.equal(w.detach(), torch.ones(4, device=device))
     assert precision.scaler.get_scale() < 65536.0
 
@@ -59,7 +60,7 @@ def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path, 
     require_dali()
     from data.dali import DaliLoader
     from data.embedded import ensure_embedded
-    from data.loaders import check_tree
+    from data.tree import check_tree
     from data.torch_loader import TorchLoader
     from train.config import Config
     root = ensure_embedded(train_per_class=4, val_per_class=3, root=tmp_path)

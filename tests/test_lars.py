@@ -9,7 +9,7 @@ from train.lars import LARS, lars_param_groups
 
 
 def reference_lars_step(params, grads, buffers, lr, momentum, wd, eta, eps, exclude):
-    """The FACTS.md formula, one tensor at a time, in float64."""
+    """The docs/lars.md formula, one tensor at a time, in float64."""
     for p, g, m in zip(params, grads, buffers):
         if exclude:
             m.mul_(momentum).add_(lr * g)

@@ -12,7 +12,8 @@ from PIL import Image
 
 import data.shards as shards_module
 from conftest import REPO
-from data.loaders import FolderSource, check_tree
+from data.loaders import FolderSource
+from data.tree import check_tree
 from data.shards import ShardSamples, write_shards
 from data.torch_loader import TorchLoader
 from train.config import Config

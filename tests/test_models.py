@@ -6,7 +6,7 @@ from models import ARCHS, build_model, eval_flops_per_image, train_flops_per_ima
 
 
 def test_resnet50_parameter_count():
-    assert sum(p.numel() for p in build_model("resnet50").parameters()) == 25_557_032  # FACTS.md
+    assert sum(p.numel() for p in build_model("resnet50").parameters()) == 25_557_032  # docs/mlperf.md
 
 
 def test_resnet50_is_v1_5_stride_on_the_3x3():

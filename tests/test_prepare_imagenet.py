@@ -11,7 +11,7 @@ from PIL import Image
 from scipy.io import savemat
 
 from conftest import REPO
-from data.loaders import check_tree
+from data.tree import check_tree
 
 SCRIPT = REPO / "scripts" / "prepare_imagenet.py"
 WNIDS = ["n01440764", "n01443537", "n01484850"]

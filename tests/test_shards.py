@@ -9,7 +9,8 @@ import torch
 
 from conftest import REPO, read_metrics, run_train
 from data.embedded import ensure_embedded
-from data.loaders import FolderSource, check_tree
+from data.loaders import FolderSource
+from data.tree import check_tree
 from data.torch_loader import TorchLoader
 from data.shards import ShardSamples, write_shards
 from train.config import Config

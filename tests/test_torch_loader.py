@@ -15,7 +15,7 @@ from torchvision.transforms import v2 as T
 import data.decode as decode
 from data.decode import BadImage, Encoded
 from data.embedded import ensure_embedded
-from data.loaders import check_tree
+from data.tree import check_tree
 from data.torch_loader import EvalCrop, TorchLoader, TrainCrop, crop_box
 from train.config import Config
 

@@ -95,7 +95,7 @@ def test_own_imagenet_layout_tree_with_flags(tmp_path):
     assert state["model"]["fc.weight"].shape == (3, 512) and state["step"] == 2 * (24 // 4)
 
 
-# The MLPerf reference convergence points (shared/FACTS.md): global batch -> base LR, warmup epochs, wd, momentum.
+# The MLPerf reference convergence points (docs/learning_rate.md): global batch -> base LR, warmup epochs, wd, momentum.
 MLPERF_POINTS = {3264: (10.5, 2, 5e-5, 0.9), 8192: (17, 5, 2e-4, 0.9), 32768: (21.2, 16, 2.5e-5, 0.94),
                  65536: (24.699, 31, 1e-4, 0.951807)}
 

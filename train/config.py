@@ -21,7 +21,7 @@ class UsageError(ValueError):
 class Config:
     # data
     data_dir: str = field(default="", metadata={"help": "ImageNet-layout tree (train/<class>/, val/<class>/); empty: the embedded dataset"})
-    loader: str = field(default="torch", metadata={"help": "torch | dali | synthetic"})
+    loader: str = field(default="torch", metadata={"help": "input pipeline"})
     workers: int = field(default=4, metadata={"help": "input threads per rank: the torch loader's decoding threads, DALI's CPU threads"})
     image_size: int = field(default=224, metadata={"help": "training and evaluation crop size in pixels"})
     crop_min_scale: float = field(default=0.08, metadata={"help": "smallest area fraction of random-resized-crop"})
@@ -32,12 +32,13 @@ class Config:
     synthetic_val_images: int = field(default=50_000, metadata={"help": "validation-set size of --loader synthetic"})
     synthetic_classes: int = field(default=1000, metadata={"help": "classes of --loader synthetic"})
     # model
-    arch: str = field(default="resnet50", metadata={"help": "a torchvision ResNet: resnet18 ... resnet152, resnext*, wide_resnet*"})
+    arch: str = field(default="resnet50", metadata={"help": "a torchvision ResNet"})
     zero_init_residual: bool = field(default=True, metadata={"help": "zero the last BN gamma of every residual block"})
     channels_last: bool = field(default=True, metadata={"help": "NHWC memory format for model and batches"})
-    precision: str = field(default="auto", metadata={"help": "fp32 | bf16 | fp16 (CUDA only) | auto (bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU)"})
+    precision: str = field(default="auto", metadata={"help": "fp16 is CUDA only; auto: bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU"})
     # optimisation
-    optimizer: str = field(default="lars", metadata={"help": "lars | sgd"})
+    optimizer: str = field(default="lars", metadata={"help": "optimizer (train/optim.py)"})
+    lr_schedule: str = field(default="warmup-poly", metadata={"help": "what changes during the run (train/schedule.py)"})
     batch_size: int = field(default=0, metadata={"help": "images per rank per step (0: --global-batch-size / ranks, or 256 when neither is set)"})
     global_batch_size: int = field(default=0, metadata={"help": "images per step over all ranks (0: --batch-size x ranks)"})
     epochs: int = field(default=90, metadata={"help": "length of the run and of the LR schedule"})
@@ -56,8 +57,8 @@ class Config:
     eval_offset: int = field(default=0, metadata={"help": "evaluate after epoch e when (e + offset) %% eval_every == 0"})
     target_accuracy: float = field(default=0.0, metadata={"help": "stop once top-1 reaches this (0: run all epochs)"})
     # run
-    engine: str = field(default="auto", metadata={"help": "auto (from the launcher's environment) | none | torch | horovod"})
-    allreduce: str = field(default="flat", metadata={"help": "flat | hierarchical (reduce-scatter in the node, all-reduce across nodes, all-gather)"})
+    engine: str = field(default="auto", metadata={"help": "auto: from the launcher's environment"})
+    allreduce: str = field(default="flat", metadata={"help": "hierarchical: reduce-scatter in the node, all-reduce across nodes, all-gather"})
     ranks_per_node: int = field(default=0, metadata={"help": "node size for --allreduce hierarchical (0: ranks sharing a host name)"})
     fp16_allreduce: bool = field(default=False, metadata={"help": "send gradients as fp16 (Horovod fp16 compression / DDP fp16 hook)"})
     bn_span: int = field(default=1, metadata={"help": "BatchNorm statistics over groups of this many consecutive ranks"})
@@ -70,7 +71,7 @@ class Config:
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt"})
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
     max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
-    division: str = field(default="open", metadata={"help": "MLPerf division declared in the log: open | closed"})
+    division: str = field(default="open", metadata={"help": "MLPerf division declared in the log"})
     submission_org: str = field(default="reference-trainer")
     submission_platform: str = field(default="", metadata={"help": "default: <ranks>x<device name>"})
     preset: str = field(default="", metadata={"help": "YAML preset name in train/presets or a path (default: smoke without --data-dir)"})
@@ -139,12 +140,27 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see python -m train --help")
 
 
+def choices() -> dict[str, tuple]:
+    """The names each choice setting takes, from the registries that serve them."""
+    from data import LOADERS
+    from models import ARCHS
+    from train.engines import ALLREDUCE, ENGINES
+    from train.optim import OPTIMIZERS
+    from train.precision import PRECISIONS
+    from train.schedule import SCHEDULES
+    return {"loader": tuple(LOADERS), "arch": tuple(ARCHS), "precision": PRECISIONS, "optimizer": tuple(OPTIMIZERS),
+            "lr_schedule": tuple(SCHEDULES), "engine": ("auto", *ENGINES), "allreduce": ALLREDUCE,
+            "division": ("open", "closed")}
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m train", description="Train a ResNet on ImageNet-layout data.",
                 argument_default=argparse.SUPPRESS)
+    named = choices()
     for f in fields(Config):
         flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "") + f" (default: {f.default!r})"
+        one_of = f"; one of {', '.join(named[f.name])}" if f.name in named else ""
+        help_text = f.metadata.get("help", "") + one_of + f" (default: {f.default!r})"
         if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
@@ -197,14 +213,11 @@ def validate(cfg: Config) -> Config:
     need(cfg.epochs > 0, f"--epochs must be positive, got {cfg.epochs}")
     need(cfg.image_size >= 16, f"--image-size must be at least 16, got {cfg.image_size}")
     need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
-    need(cfg.loader in ("torch", "dali", "synthetic"), f"unknown --loader {cfg.loader!r}; choose torch, dali or synthetic")
-    need(cfg.optimizer in ("lars", "sgd"), f"unknown --optimizer {cfg.optimizer!r}; choose lars or sgd")
-    need(cfg.precision in ("auto", "fp32", "bf16", "fp16"), f"unknown --precision {cfg.precision!r}; choose fp32, bf16, fp16 or auto")
-    need(cfg.engine in ("auto", "none", "torch", "horovod"), f"unknown --engine {cfg.engine!r}; choose auto, none, torch or horovod")
-    need(cfg.allreduce in ("flat", "hierarchical"), f"unknown --allreduce {cfg.allreduce!r}; choose flat or hierarchical")
+    for name, names in choices().items():
+        value = getattr(cfg, name)
+        need(value in names, f"unknown --{name.replace('_', '-')} {value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
     need(cfg.bn_span >= 1 and cfg.ranks_per_node >= 0 and cfg.stop_check_every >= 1,
          "--bn-span and --stop-check-every must be at least 1, --ranks-per-node at least 0")
-    need(cfg.division in ("open", "closed"), f"unknown --division {cfg.division!r}; choose open or closed")
     need(0 < cfg.crop_min_scale <= cfg.crop_max_scale <= 1, "--crop-min-scale and --crop-max-scale must satisfy 0 < min <= max <= 1")
     need(0 < cfg.crop_min_aspect <= cfg.crop_max_aspect, "--crop-min-aspect and --crop-max-aspect must satisfy 0 < min <= max")
     need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
@@ -213,8 +226,6 @@ def validate(cfg: Config) -> Config:
     need(cfg.eval_every >= 0 and cfg.eval_offset >= 0, "--eval-every and --eval-offset must not be negative")
     need(cfg.max_steps >= 0, f"--max-steps must not be negative, got {cfg.max_steps}")
     need(cfg.log_every > 0 and cfg.checkpoint_every > 0, "--log-every and --checkpoint-every must be positive")
-    from models import ARCHS
-    need(cfg.arch in ARCHS, f"unknown --arch {cfg.arch!r}; choose one of {', '.join(ARCHS)}")
     return cfg
 
 

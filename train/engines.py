@@ -1,18 +1,10 @@
-"""Engines: who the ranks are and how they talk. The loop sees only this interface:
+"""Engines: who the ranks are and how they talk. The loop sees only the `Engine` protocol below and
+never asks which engine it has.
 
-    rank, world_size, local_rank, local_size, device
-    broadcast_object(obj) -> obj              rank 0's value, on every rank
-    gather_object(obj) -> list                every rank's value, on every rank (set-up checks)
-    sync_batchnorm(model, span) -> model      BN statistics over groups of `span` consecutive ranks
-    wrap(model, optimizer) -> (model, optimizer)
-                                              gradients averaged (overlapped with backward),
-                                              parameters and optimizer state broadcast from rank 0
-    all_reduce_sum(tensor) -> tensor          metrics, at logging points only
-    any(flag) -> bool                         host-side agreement (preemption), no device sync
-    barrier(), shutdown()
-
-`none` is one process; `torch` is torch.distributed (DDP; launched by torchrun or Slurm's srun);
-`horovod` is Horovod (horovodrun, or mpirun). `auto` picks one from the launcher's environment.
+`none` is one process; `torch` is torch.distributed (DDP; launched by torchrun, Slurm's srun, or
+mpirun with MASTER_ADDR); `horovod` is Horovod (horovodrun, or mpirun). `auto` picks one from the
+launcher's environment (detect_launch). A new all-reduce algorithm is one more name in ALLREDUCE
+and a branch of each engine's wrap().
 """
 import contextlib
 import datetime
@@ -20,11 +12,54 @@ import inspect
 import os
 import socket
 from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
 
 import torch
 
 from models.batchnorm import convert_batchnorm
 from train.config import UsageError
+
+ALLREDUCE = ("flat", "hierarchical")  # --allreduce NAME
+
+
+@runtime_checkable
+class Engine(Protocol):
+    name: str
+    rank: int
+    world_size: int
+    local_rank: int
+    local_size: int
+    device: torch.device
+
+    def sync_batchnorm(self, model: torch.nn.Module, span: int) -> torch.nn.Module:
+        """BatchNorm statistics over groups of `span` consecutive ranks."""
+
+    def wrap(self, model: torch.nn.Module, optimizer) -> tuple:
+        """(model, optimizer) whose gradients are averaged over the ranks (overlapped with backward),
+        with rank 0's parameters and optimizer state on every rank."""
+
+    def step(self, loss: torch.Tensor, optimizer, precision) -> None:
+        """Backward, gradient averaging, the loss scaler's unscale-and-check, the optimizer step."""
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The model inside the engine's wrapper."""
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Summed over the ranks (metrics, at logging points)."""
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any: host-side agreement, no device sync."""
+
+    def broadcast_object(self, obj):
+        """Rank 0's value on every rank."""
+
+    def gather_object(self, obj) -> list:
+        """Every rank's value on every rank (set-up checks)."""
+
+    def barrier(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("TRAINER_COLLECTIVE_TIMEOUT_S", "300")))
 
@@ -48,6 +83,13 @@ class SingleProcess:
 
     def wrap(self, model, optimizer):
         return model, optimizer
+
+    def step(self, loss, optimizer, precision) -> None:
+        precision.backward(loss)
+        precision.step(optimizer)
+
+    def unwrap(self, model):
+        return model
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         return tensor
@@ -168,6 +210,13 @@ class TorchDistributed(_Topology):
         optimizer.load_state_dict(state[0])
         return ddp, optimizer
 
+    def step(self, loss, optimizer, precision) -> None:
+        precision.backward(loss)  # DDP averages the gradients during backward
+        precision.step(optimizer)
+
+    def unwrap(self, model):
+        return model.module
+
     def _hierarchical_hook(self, _state, bucket):
         """Two-level all-reduce of one gradient bucket: reduce-scatter inside the node, all-reduce of
         each shard among the ranks holding the same shard on other nodes, all-gather inside the node."""
@@ -262,6 +311,17 @@ class Horovod(_Topology):
         compression = _contiguous(hvd.Compression.fp16 if self.cfg.fp16_allreduce else hvd.Compression.none)
         return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                compression=compression, op=hvd.Average)
+
+    def step(self, loss, optimizer, precision) -> None:
+        """All-reduce, synchronise, then unscale and check: every rank sees the same averaged
+        gradients, so an overflow on one rank skips the step on all of them together."""
+        precision.backward(loss)
+        optimizer.synchronize()
+        with optimizer.skip_synchronize():
+            precision.step(optimizer)
+
+    def unwrap(self, model):
+        return model
 
     def _broadcast_tensors(self, tensors: dict) -> None:
         """Rank 0's values into every rank's tensors; Horovod wants contiguous buffers (not channels_last)."""
@@ -431,11 +491,6 @@ def choose_engine(requested: str, launch: Launch, env=os.environ) -> str:
         raise UsageError(f"mpirun started {launch.world_size} ranks, but Horovod with MPI is not installed (install "
                          "Open MPI, then run scripts/install_horovod.sh) and MASTER_ADDR is not set for --engine torch")
     return "none"
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside an engine's wrapper (DDP keeps it as .module)."""
-    return getattr(model, "module", model)
 
 
 ENGINES = {"none": SingleProcess, "torch": TorchDistributed, "horovod": Horovod}

@@ -1,4 +1,4 @@
-"""LARS with the MLPerf reference semantics (shared/FACTS.md), for PyTorch.
+"""LARS with the MLPerf reference semantics (docs/lars.md), for PyTorch.
 
 For every tensor not excluded:
     trust = eta * ||w|| / (||g|| + wd * ||w|| + eps), or 1 when ||w|| or ||g|| is 0

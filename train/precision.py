@@ -11,6 +11,9 @@ import torch
 from train.config import UsageError
 
 
+PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision NAME
+
+
 def resolve(name: str, device: torch.device) -> str:
     if name == "auto":
         if device.type != "cuda":
@@ -34,21 +37,17 @@ class Precision:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.dtype)
 
-    def backward_and_step(self, loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer step, on gradients the engine has averaged: with fp16 the scaler unscales
+        them, skips the step when they hold inf/NaN and adapts its scale."""
         if self.scaler is None:
-            loss.backward()
             optimizer.step()
-        elif hasattr(optimizer, "synchronize"):  # Horovod: reduce first, so every rank sees the same inf/NaN
-            self.scaler.scale(loss).backward()
-            optimizer.synchronize()
-            self.scaler.unscale_(optimizer)
-            with optimizer.skip_synchronize():
-                self.scaler.step(optimizer)
-            self.scaler.update()
-        else:
-            self.scaler.scale(loss).backward()
-            self.scaler.step(optimizer)  # skipped when the scaled gradients hold inf/NaN
-            self.scaler.update()
+            return
+        self.scaler.step(optimizer)
+        self.scaler.update()
 
     def log_fields(self) -> dict:
         """The loss scale, for the logs of fp16 runs (a host read: at logging points only)."""

@@ -1,11 +1,18 @@
 """What a run leaves behind and prints: mllog.txt (MLLOG lines via mlperf_logging), metrics.jsonl
-(one JSON object per logging point) and human lines on stdout. Only rank 0 writes."""
+(one JSON object per logging point) and human lines on stdout. Only rank 0 writes.
+
+The loop says what happened (setup, run_start, epoch_start, train_window, epoch_end, evaluation,
+replicas, stop); this module decides how each is logged: the MLLOG keys and intervals (blocks run
+from the epoch after one evaluation to the next), the JSON-lines records and the printed lines.
+"""
+import contextlib
 import json
 import logging
 import sys
 import time
 from pathlib import Path
 
+from mlperf_logging.mllog import constants as K
 from mlperf_logging.mllog.mllog import MLLogger
 
 
@@ -14,9 +21,9 @@ class RunLog:
     goes on from where the last segment stopped when a run is resumed (downtime excluded); a
     `resume` record marks each new segment with the wall-clock gap."""
 
-    def __init__(self, out_dir: Path | None):
+    def __init__(self, out_dir: Path | None, cfg, eval_plan):
         """out_dir None: a silent log (ranks other than 0)."""
-        self.enabled = out_dir is not None
+        self.enabled, self.cfg, self.eval_plan = out_dir is not None, cfg, eval_plan
         self.mllog = None
         self._started, self._offset, self._last_record = time.time(), 0.0, None
         if not self.enabled:
@@ -26,32 +33,95 @@ class RunLog:
         logger.setLevel(logging.INFO)
         self._handler = logging.FileHandler(out_dir / "mllog.txt")
         logger.addHandler(self._handler)
-        # stack offset 2: the call site reported in the metadata is the trainer's line, not this wrapper's
         self.mllog = MLLogger(logger=logger, default_stack_offset=2)
         self._last_record = _last_record(out_dir / "metrics.jsonl")
         self._metrics = open(out_dir / "metrics.jsonl", "a", buffering=1)
 
-    def event(self, key: str, value=None, **metadata) -> None:
-        if self.enabled:
-            self.mllog.event(key=key, value=value, metadata=metadata or None)
+    # what happened -------------------------------------------------------------------------------
+    def setup(self, init_start_ms: int, header: str, *, platform: str, train_images: int, val_images: int,
+              precision: str, schedule) -> None:
+        """The run's settings: MLLOG's init_start (taken before any set-up work) and keys, the header line."""
+        cfg = self.cfg
+        self._start(K.INIT_START, time_ms=init_start_ms)
+        for key, value in [
+            (K.SUBMISSION_BENCHMARK, K.RESNET), (K.SUBMISSION_DIVISION, cfg.division),
+            (K.SUBMISSION_ORG, cfg.submission_org), (K.SUBMISSION_STATUS, "research"),
+            (K.SUBMISSION_PLATFORM, cfg.submission_platform or platform), (K.CACHE_CLEAR, True), (K.SEED, cfg.seed),
+            (K.GLOBAL_BATCH_SIZE, cfg.global_batch_size), (K.GRADIENT_ACCUMULATION_STEPS, 1),
+            (K.TRAIN_SAMPLES, train_images), (K.EVAL_SAMPLES, val_images),
+            (K.MODEL_BN_SPAN, cfg.batch_size * cfg.bn_span), (K.OPT_NAME, cfg.optimizer),
+            *_optimizer_keys(cfg, schedule), ("label_smoothing", cfg.label_smoothing), ("precision", precision),
+        ]:
+            self._event(key, value)
+        self.print(header)
 
-    def start(self, key: str, value=None, **metadata) -> None:
-        if self.enabled:
-            self.mllog.start(key=key, value=value, metadata=metadata or None)
+    def warning(self, line: str, **record) -> None:
+        self.print(f"warning: {line}")
+        if record:
+            self.metrics(**record)
 
-    def end(self, key: str, value=None, **metadata) -> None:
-        if self.enabled:
-            self.mllog.end(key=key, value=value, metadata=metadata or None)
-
-    def start_clock(self, resumed_at: dict | None = None) -> None:
-        """Starts the run's clock at run_start; `resumed_at` ({step, epoch}) marks a resumed segment."""
+    def run_start(self, resumed_at: dict | None = None) -> None:
+        """Set-up is over: MLLOG's run_start, and the run's clock; `resumed_at` ({step, epoch}) marks
+        a resumed segment."""
+        self._end(K.INIT_STOP)
+        self._start(K.RUN_START)
         self._started = time.time()
         last = self._last_record or {}
         self._offset = float(last.get("seconds", 0.0)) if resumed_at else 0.0
-        if resumed_at and self.enabled:
+        if resumed_at:
             gap = round(self._started - last["time"], 3) if "time" in last else None
             self.metrics(kind="resume", **resumed_at, seconds=round(self._offset, 3), gap_s=gap)
 
+    def epoch_start(self, epoch: int, fresh: bool) -> None:
+        """Epoch `epoch` (from 1) begins; `fresh`: at its first step (not a resumed middle)."""
+        if fresh and self.eval_plan.starts_block(epoch):
+            self._start(K.BLOCK_START, first_epoch_num=epoch,
+                        epoch_count=self.eval_plan.next_eval(epoch) - epoch + 1)
+        self._start(K.EPOCH_START, epoch_num=epoch)
+
+    def train_window(self, **record) -> None:
+        """A logging window of training steps: step, epoch, images, img_per_s, loss, lr, ..."""
+        self.metrics(kind="train", **record, seconds=self.seconds())
+
+    def epoch_end(self, epoch: int, finished: bool, figures: dict | None) -> None:
+        """The epoch's figures (None when this segment trained none of its steps); `finished`: its last step done."""
+        if finished:
+            self._end(K.EPOCH_STOP, epoch_num=epoch)
+        if figures:
+            self.metrics(kind="epoch", **figures, seconds=self.seconds())
+            self.print(f"epoch {epoch:3d}/{self.cfg.epochs}  step {figures['step']:6d}  {figures['epoch_seconds']:7.1f} s  "
+                       f"{figures['img_per_s']:8.1f} img/s  loss {figures['loss']:.4f}  lr {figures['lr']:.4g}")
+
+    @contextlib.contextmanager
+    def evaluation(self, epoch: int, step: int):
+        """Around an evaluation: yields a function taking its figures (top1, top5, eval_images, ...)."""
+        self._start(K.EVAL_START, epoch_num=epoch)
+        started = time.time()
+        figures = {}
+        yield figures.update
+        seconds = time.time() - started
+        self._end(K.EVAL_STOP, epoch_num=epoch)
+        self._event(K.EVAL_ACCURACY, figures["top1"], epoch_num=epoch)
+        self._end(K.BLOCK_STOP, first_epoch_num=self.eval_plan.block_start(epoch))
+        self.metrics(kind="eval", step=step, epoch=epoch, images=step * self.cfg.global_batch_size,
+                     seconds=self.seconds(), top1=round(figures["top1"], 5), top5=round(figures["top5"], 5),
+                     eval_images=figures["eval_images"], eval_seconds=round(seconds, 3),
+                     skipped_images=figures["skipped_images"])
+        self.print(f"eval  {epoch:3d}/{self.cfg.epochs}  top-1 {figures['top1']:.4f}  top-5 {figures['top5']:.4f}  "
+                   f"({figures['eval_images']} images, {seconds:.1f} s)")
+
+    def replicas(self, step: int, ranks: int, differing: int) -> None:
+        self.metrics(kind="replicas", step=step, ranks=ranks, differing_from_rank0=differing)
+        if differing:
+            self.warning(f"{differing} rank(s) ended with a model that differs from rank 0's")
+
+    def stop(self, status: str, summary: str | None = None) -> None:
+        """MLLOG's run_stop with its status (success, aborted), and the closing line."""
+        self._end(K.RUN_STOP, status=status)
+        if summary:
+            self.print(summary)
+
+    # how --------------------------------------------------------------------------------------------
     def seconds(self) -> float:
         """Training seconds since the run's first start, downtime between segments excluded."""
         return round(self._offset + time.time() - self._started, 3)
@@ -69,6 +139,30 @@ class RunLog:
         if self.enabled:
             self._metrics.close()
             self._handler.close()
+
+    def _event(self, key: str, value=None, **metadata) -> None:
+        if self.enabled:
+            self.mllog.event(key=key, value=value, metadata=metadata or None)
+
+    def _start(self, key: str, value=None, **metadata) -> None:
+        if self.enabled:
+            self.mllog.start(key=key, value=value, metadata=metadata or None)
+
+    def _end(self, key: str, value=None, **metadata) -> None:
+        if self.enabled:
+            self.mllog.end(key=key, value=value, metadata=metadata or None)
+
+
+def _optimizer_keys(cfg, schedule) -> list[tuple[str, object]]:
+    """MLPerf's optimizer keys: lars_opt_* for LARS, sgd_opt_* (and opt_*) for the others."""
+    prefix = "lars_opt" if cfg.optimizer == "lars" else "sgd_opt"
+    keys = [(f"{prefix}_base_learning_rate", cfg.lr)]
+    keys += [(f"{prefix}_{name}", value) for name, value in schedule.mllog_settings().items()]
+    keys += [(f"{prefix}_momentum", cfg.momentum), (f"{prefix}_weight_decay", cfg.weight_decay)]
+    if cfg.optimizer == "lars":
+        return keys + [(K.LARS_EPSILON, cfg.lars_epsilon), (K.LARS_OPT_LEARNING_RATE_WARMUP_EPOCHS, cfg.warmup_epochs),
+                       ("lars_opt_trust_coefficient", cfg.lars_eta)]
+    return keys + [(K.OPT_LR_WARMUP_EPOCHS, cfg.warmup_epochs)]
 
 
 def _last_record(path: Path) -> dict | None:

@@ -20,7 +20,7 @@ from torchvision import transforms as T
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from data.dali import DaliLoader  # noqa: E402
-from data.loaders import check_tree  # noqa: E402
+from data.tree import check_tree  # noqa: E402
 from data.torch_loader import TorchLoader, train_item  # noqa: E402
 from train.config import Config  # noqa: E402
 

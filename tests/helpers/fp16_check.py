@@ -67,7 +67,7 @@ def loss_scaling_check(engine) -> dict:
     def step(poison: bool):
         with precision.autocast():
             loss = torch.nn.functional.cross_entropy(model(x), y)
-        precision.backward_and_step(loss * float("inf") if poison else loss, optimizer)
+        engine.step(loss * float("inf") if poison else loss, optimizer, precision)
         optimizer.zero_grad()
 
     start = [p.detach().clone() for p in model.parameters()]

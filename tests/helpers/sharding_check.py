@@ -5,7 +5,7 @@ import sys
 
 import torch.distributed as dist
 
-from data.loaders import check_tree
+from data.tree import check_tree
 from data.torch_loader import TorchLoader
 from train.config import Config
 from train.engines import create

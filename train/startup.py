@@ -1,0 +1,116 @@
+"""Start-up: every check that can fail, on every rank, before the run directory exists.
+
+A failure on any rank is raised on every rank (`agreed`), so no rank goes on alone and none waits
+for one that stopped; such an error is marked `agreed` and printed once, by rank 0.
+"""
+import dataclasses
+import shutil
+import time
+from pathlib import Path
+
+import yaml
+
+from data import DataError, LoaderSettings, build_loader
+from data.embedded import ensure_embedded
+from train import checkpoint, engines
+from train.config import Config, UsageError, to_dict
+from train.precision import Precision
+from train.rules import batch_sizes, lr_and_warmup
+
+RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
+
+
+class RunFinished(Exception):
+    """The run in --out-dir has nothing left to do: said in one line, its files untouched, exit 0."""
+
+
+def agreed_error(err: Exception) -> Exception:
+    """Marks an error that every rank raises alike, so that only rank 0 prints it."""
+    err.agreed = True
+    return err
+
+
+def create_engine(cfg: Config):
+    try:
+        return engines.create(cfg)
+    except UsageError as err:  # decided by the flags and the launcher's environment: alike on every rank
+        raise agreed_error(err)
+
+
+def agreed(engine, step):
+    """Runs a set-up step on every rank; if it fails on any, every rank raises the first failure
+    (rank 0 prints it), so no rank goes on alone and no rank hangs waiting for one that stopped."""
+    try:
+        value, problem = step(), None
+    except (UsageError, DataError, RunFinished) as err:
+        value, problem = None, (type(err).__name__, str(err))
+    problems = engine.gather_object(problem) if engine.world_size > 1 else [problem]
+    first = next((p for p in problems if p is not None), None)
+    if first is not None:
+        kind = {cls.__name__: cls for cls in (UsageError, DataError, RunFinished)}[first[0]]
+        raise agreed_error(kind(first[1]))
+    return value
+
+
+def checked_setup(cfg: Config, engine):
+    """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, note)."""
+    precision = Precision(cfg.precision, engine.device)
+    batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size)
+    cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
+    lr, warmup, note = lr_and_warmup(cfg, global_batch)
+    cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup)
+    engines.check_bn_span(cfg.bn_span, engine.world_size)
+    data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader != "synthetic" else "")
+    loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name),
+                          engine.rank, engine.world_size, engine.device)
+    if engine.rank == 0:
+        _check_out_dir(cfg)
+    return cfg, loader, precision, data_dir, note
+
+
+def _default_out_dir(cfg: Config) -> str:
+    return cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def _check_out_dir(cfg: Config) -> None:
+    out_dir = Path(cfg.out_dir) if cfg.out_dir else None
+    if out_dir is None:
+        return
+    saved = out_dir / "checkpoint.pt"
+    if cfg.resume and not saved.is_file():
+        raise UsageError(f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume")
+    if saved.is_file():  # a run that is over stays as it is: a restarted finished job is not a failure
+        done = _nothing_left(cfg, checkpoint.peek(saved))
+        if done:
+            raise RunFinished(f"{out_dir} holds a finished run ({done}); nothing to do, its files are unchanged")
+    if not cfg.resume and any((out_dir / name).exists() for name in RUN_FILES):
+        raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+
+
+def _nothing_left(cfg: Config, saved: dict) -> str:
+    """Why a saved run has no step left to take under these settings, or "" when it has."""
+    if saved.get("finished") == "target":
+        return f"reached --target-accuracy at step {saved['step']}"
+    if saved.get("finished") == "epochs" and saved["epoch"] >= cfg.epochs:
+        return f"all {saved['epoch']} epochs done at step {saved['step']}"
+    if cfg.resume and 0 < cfg.max_steps <= saved["step"]:
+        return f"at step {saved['step']}, --max-steps {cfg.max_steps}"
+    return ""
+
+
+def make_out_dir(cfg: Config, engine) -> Path:
+    """Rank 0 creates the run directory and writes config.yaml; every rank learns the name. A
+    failure leaves nothing behind: the folders made for it are removed again."""
+    out_dir = Path(engine.broadcast_object(_default_out_dir(cfg)) if engine.world_size > 1 else _default_out_dir(cfg))
+    if engine.rank == 0:
+        first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))),
+                                                              sort_keys=False))
+        except OSError as err:
+            if first_new is not None:
+                shutil.rmtree(first_new, ignore_errors=True)
+            raise UsageError(f"cannot write the run directory {out_dir} ({err.strerror or err}); "
+                             "choose a writable --out-dir") from err
+    return out_dir
