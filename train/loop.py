@@ -18,7 +18,6 @@ import torch
 from mlperf_logging.mllog import constants as K
 
 from data import LoaderSettings, build_loader
-from data.embedded import ensure_embedded
 from models import build_model
 from train import checkpoint
 from train.config import PREEMPTED_MARKER, Config, UsageError, to_dict
@@ -26,7 +25,8 @@ from train.optim import build_optimizer
 from train.precision import Precision
 from train.runlog import RunLog, progress
 from train.schedule import EvalPlan, build_schedule
-from train.startup import RunFinished, agreed, agreed_error, checked_setup, create_engine, make_out_dir
+from train.startup import (RunFinished, agreed, agreed_error, checked_setup, create_engine, make_out_dir,
+                           resolve_data_dir)
 
 __all__ = ["Preempted", "RunAborted", "RunFinished", "run", "test_only"]
 
@@ -371,8 +371,8 @@ def test_only(cfg: Config) -> tuple[float, float, int]:
         if not (run_dir / "checkpoint.pt").is_file():
             raise UsageError(f"{run_dir} holds no checkpoint.pt to evaluate; check --out-dir")
         precision = Precision(cfg.precision, engine.device)
-        batch = cfg.batch_size or max(1, cfg.global_batch_size // engine.world_size) or 256
-        data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader != "synthetic" else "")
+        batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or 256  # the run's per-rank batch
+        data_dir = resolve_data_dir(cfg)
         loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch,
                                                              precision=precision.name),
                               engine.rank, engine.world_size, engine.device)

@@ -44,8 +44,7 @@ def agreed(engine, step):
         value, problem = step(), None
     except (UsageError, DataError, RunFinished) as err:
         value, problem = None, (type(err).__name__, str(err))
-    problems = engine.gather_object(problem) if engine.world_size > 1 else [problem]
-    first = next((p for p in problems if p is not None), None)
+    first = next((p for p in engine.gather_object(problem) if p is not None), None)
     if first is not None:
         kind = {cls.__name__: cls for cls in (UsageError, DataError, RunFinished)}[first[0]]
         raise agreed_error(kind(first[1]))
@@ -60,12 +59,17 @@ def checked_setup(cfg: Config, engine):
     lr, warmup, note = lr_and_warmup(cfg, global_batch)
     cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup)
     engines.check_bn_span(cfg.bn_span, engine.world_size)
-    data_dir = cfg.data_dir or (str(ensure_embedded()) if cfg.loader != "synthetic" else "")
+    data_dir = resolve_data_dir(cfg)
     loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name),
                           engine.rank, engine.world_size, engine.device)
     if engine.rank == 0:
         _check_out_dir(cfg)
     return cfg, loader, precision, data_dir, note
+
+
+def resolve_data_dir(cfg: Config) -> str:
+    """--data-dir, or the embedded dataset (made on first use) when none is given; "" for synthetic data."""
+    return cfg.data_dir or (str(ensure_embedded()) if cfg.loader != "synthetic" else "")
 
 
 def _default_out_dir(cfg: Config) -> str:
@@ -101,7 +105,7 @@ def _nothing_left(cfg: Config, saved: dict) -> str:
 def make_out_dir(cfg: Config, engine) -> Path:
     """Rank 0 creates the run directory and writes config.yaml; every rank learns the name. A
     failure leaves nothing behind: the folders made for it are removed again."""
-    out_dir = Path(engine.broadcast_object(_default_out_dir(cfg)) if engine.world_size > 1 else _default_out_dir(cfg))
+    out_dir = Path(engine.broadcast_object(_default_out_dir(cfg)))  # one name, whatever each rank's clock says
     if engine.rank == 0:
         first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
         try:
