@@ -13,7 +13,8 @@ import numpy as np
 import torch
 
 from data.decode import complete_jpeg, complete_png
-from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader
+from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader, first_readable
+from data.sharding import epoch_seed
 
 
 def _encoded(source, index: int) -> tuple[np.ndarray, np.ndarray] | None:
@@ -59,10 +60,7 @@ class DaliLoader(FileLoader):
                                                    random_aspect_ratio=[cfg.crop_min_aspect, cfg.crop_max_aspect],
                                                    num_attempts=100)
             images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, antialias=True)
-            images = fn.crop_mirror_normalize(images, mirror=fn.random.coin_flip(), dtype=self.out_type,
-                                              output_layout="HWC", mean=[m * 255 for m in IMAGENET_MEAN],
-                                              std=[s * 255 for s in IMAGENET_STD])
-            return images, labels
+            return self._normalise(images, mirror=fn.random.coin_flip()), labels
         return train()
 
     def _eval_pipeline(self, feed):
@@ -73,26 +71,26 @@ class DaliLoader(FileLoader):
             jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
             images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB)
             images = fn.resize(images, resize_shorter=round(cfg.image_size / EVAL_CROP_FRACTION), antialias=True)
-            images = fn.crop_mirror_normalize(images, crop=(cfg.image_size, cfg.image_size), dtype=self.out_type,
-                                              output_layout="HWC", mean=[m * 255 for m in IMAGENET_MEAN],
-                                              std=[s * 255 for s in IMAGENET_STD])
-            return images, labels
+            return self._normalise(images, crop=(cfg.image_size, cfg.image_size)), labels
         return evaluate()
+
+    def _normalise(self, images, **crop_or_mirror):
+        """(x - mean) / std in the batch's type, HWC; with a centre crop or a random mirror."""
+        return self.fn.crop_mirror_normalize(images, dtype=self.out_type, output_layout="HWC",
+                                            mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD],
+                                            **crop_or_mirror)
 
     # feeding: this rank's files, bad ones skipped and counted --------------------------------------
     def _train_feed(self, batches):
         counted = set()  # this epoch's unreadable files, each counted once
         for batch in batches:
             payloads, labels = [], []
-            for index, _ in batch:
-                for attempt in range(len(self.train_source)):  # as the torch loader: the next good file
-                    position = (index + attempt) % len(self.train_source)
-                    sample = _encoded(self.train_source, position)
-                    if sample is not None:
-                        break
-                    self._note_skipped([self.train_source.name(position)], counted)
-                payloads.append(sample[0])
-                labels.append(sample[1])
+            for index, _ in batch:  # as the torch loader: the next readable file takes a bad one's place
+                (payload, label), skipped = first_readable(self.train_source, index,
+                                                           lambda position: _encoded(self.train_source, position))
+                self._note_skipped(skipped, counted)
+                payloads.append(payload)
+                labels.append(label)
             yield payloads, labels
 
     def _run(self, pipe):
@@ -109,11 +107,13 @@ class DaliLoader(FileLoader):
             # DALI gives NHWC; as NCHW with channels_last strides this is the layout the model wants
             yield images.permute(0, 3, 1, 2), labels
 
-    def train_batches(self, epoch, start_step=0):
+    def train_batches(self, epoch, start_step=0, augment=True):
         self.sampler.epoch, self.sampler.start_step = epoch, start_step
         feed = self._train_feed(iter(self.sampler))
-        pipe = self._train_pipeline(lambda: next(feed), seed=self.cfg.seed * 100_003 + epoch * 1009 + self.rank)
-        return self._run(pipe)
+        if not augment:  # the evaluation transform on the training files
+            return self._run(self._eval_pipeline(lambda: next(feed)))
+        seed = (epoch_seed(self.cfg.seed, epoch) * 1009 + self.rank) % (1 << 31)  # DALI's own per rank and epoch
+        return self._run(self._train_pipeline(lambda: next(feed), seed))
 
     def _eval_feed(self):
         counted = set()

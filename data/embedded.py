@@ -14,6 +14,8 @@ from pathlib import Path
 import numpy as np
 from PIL import Image
 
+from data.cache import cache_root
+
 GENERATOR_VERSION = 1
 TRAIN_PER_CLASS = 100
 VAL_PER_CLASS = 30
@@ -31,13 +33,6 @@ CLASSES = {
     "violet_speckle": (275, "speckle"),
     "magenta_gradient": (315, "gradient"),
 }
-
-
-def cache_root() -> Path:
-    root = os.environ.get("TRAINER_CACHE_DIR")
-    if root:
-        return Path(root)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "resnet-trainer"
 
 
 def _hsv_to_rgb(h: float, s: float, v: float) -> np.ndarray:

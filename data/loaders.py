@@ -68,6 +68,20 @@ class ShardSource(ShardSamples):
     targets = None  # labels live inside the shards; reading them all up front would cost a pass
 
 
+def first_readable(source, index: int, attempt):
+    """(attempt(position), names skipped) for the first position from `index` on (wrapping round the
+    split) whose file `attempt` can use; `attempt` returns None for an unreadable file. A skipped
+    file's neighbour takes its place with its own label, so a batch keeps its size."""
+    skipped = []
+    for offset in range(len(source)):
+        position = (index + offset) % len(source)
+        value = attempt(position)
+        if value is not None:
+            return value, skipped
+        skipped.append(source.name(position))
+    raise DataError("no readable training image at all")
+
+
 def open_split(root: Path, split: str, classes: list[str]):
     """The samples of one split: tar shards when the folder holds them, else an ImageFolder tree."""
     return ShardSource(root / split) if is_shard_tree(root) else FolderSource(root / split, classes)
@@ -98,7 +112,9 @@ class Loader:
         self.skipped, self.skipped_examples = 0, []
         return report
 
-    def train_batches(self, epoch: int, start_step: int = 0):
+    def train_batches(self, epoch: int, start_step: int = 0, augment: bool = True):
+        """This rank's batches of the epoch from `start_step` on; without `augment`, each training
+        image gets the evaluation transform (resize and centre crop) instead of a random crop and flip."""
         raise NotImplementedError
 
     def val_batches(self):
@@ -144,7 +160,7 @@ class SyntheticLoader(Loader):
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels
 
-    def train_batches(self, epoch, start_step=0):
+    def train_batches(self, epoch, start_step=0, augment=True):  # random tensors: nothing to augment
         b = self.cfg.batch_size
         for step in range(start_step, self.steps_per_epoch):
             global_index = epoch * self.train_images + step * self.global_batch + self.rank * b

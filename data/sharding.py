@@ -10,14 +10,20 @@ import torch
 _SEED_STRIDE = 1 << 32  # room for 4 billion samples per epoch in a per-sample seed
 
 
+def epoch_seed(seed: int, epoch: int) -> int:
+    """The run's seed and the epoch mixed into one number: every random choice of an epoch (its
+    order, each sample's augmentation, DALI's per-rank generators) starts from it."""
+    return seed * 100_003 + epoch
+
+
 def epoch_permutation(num_items: int, seed: int, epoch: int) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    generator = torch.Generator().manual_seed(epoch_seed(seed, epoch))
     return torch.randperm(num_items, generator=generator)
 
 
 def sample_seed(seed: int, epoch: int, position: int) -> int:
     """Augmentation seed of the sample at `position` in the epoch's global order."""
-    return ((seed * 100_003 + epoch) * _SEED_STRIDE + position) % (1 << 63)
+    return (epoch_seed(seed, epoch) * _SEED_STRIDE + position) % (1 << 63)
 
 
 class TrainBatchSampler:

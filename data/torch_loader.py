@@ -22,7 +22,7 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from data.decode import BadImage, Encoded
-from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader
+from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, FileLoader, first_readable
 
 BATCHES_IN_FLIGHT = 2  # the batch being consumed plus one being filled
 
@@ -85,14 +85,13 @@ def decoded(source, index: int, crop, seed=None) -> tuple[torch.Tensor, int]:
 
 def train_item(source, index: int, seed: int, crop) -> tuple[torch.Tensor, int, list[str]]:
     """The crop and label of the first readable file from `index` on, and the files skipped."""
-    skipped = []
-    for attempt in range(len(source)):
-        position = (index + attempt) % len(source)
+    def attempt(position):
         try:
-            return *decoded(source, position, crop, seed), skipped
+            return decoded(source, position, crop, seed)
         except BadImage:
-            skipped.append(source.name(position))
-    raise DataError("no readable training image at all")
+            return None
+    (pixels, label), skipped = first_readable(source, index, attempt)
+    return pixels, label, skipped
 
 
 def _one_intra_op_thread() -> None:
@@ -141,8 +140,8 @@ class TorchLoader(FileLoader):
             batch = batch.to(self.device, non_blocking=True).float().mul_(self.scale).add_(self.shift)
         return batch.contiguous(memory_format=self.layout)  # a copy only for a batch that lost a skipped image
 
-    def _train_slot(self, batch, slot, key):
-        pixels, label, skipped = train_item(self.train_source, *key, self.train_crop)
+    def _train_slot(self, batch, slot, key, crop):
+        pixels, label, skipped = train_item(self.train_source, *key, crop)
         self._put(batch, slot, pixels)
         return label, skipped
 
@@ -182,9 +181,10 @@ class TorchLoader(FileLoader):
                 for slot in slots:
                     slot.cancel()
 
-    def train_batches(self, epoch, start_step=0):
+    def train_batches(self, epoch, start_step=0, augment=True):
         self.sampler.epoch, self.sampler.start_step = epoch, start_step
-        return self._batches(iter(self.sampler), self._train_slot)
+        crop = self.train_crop if augment else self.eval_crop  # without augmentation: the evaluation transform
+        return self._batches(iter(self.sampler), lambda batch, slot, key: self._train_slot(batch, slot, key, crop))
 
     def val_batches(self):
         return self._batches(self.eval_batches, self._eval_slot)

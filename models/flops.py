@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from data.cache import cache_root
 from models.resnet import build_model
 
 _COUNT_BATCH = 2  # BatchNorm in training mode wants more than one value per channel
 
 
 def _cache_file() -> Path:
-    root = os.environ.get("TRAINER_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "resnet-trainer"
-    return Path(root) / "flops.json"
+    return cache_root() / "flops.json"
 
 
 @functools.lru_cache(maxsize=None)

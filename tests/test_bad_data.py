@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import read_metrics, run_train
+from helpers import read_metrics, run_train
 from data.embedded import ensure_embedded
 from data.decode import BadImage, load_rgb
 from data.loaders import FolderSource

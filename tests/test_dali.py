@@ -8,7 +8,7 @@ import pytest
 import torch
 from PIL import Image
 
-from conftest import read_metrics, run_train
+from helpers import read_metrics, run_train
 from data.dali import DaliLoader
 from data.tree import check_tree
 from data.torch_loader import TorchLoader
@@ -113,3 +113,24 @@ def test_crop_area_and_aspect_settings_reach_both_pipelines(tmp_path):
             assert error < 6, (loader, path, float(error))
         whole[type(loader).__name__] = len(order)
     assert whole == {"DaliLoader": 8, "TorchLoader": 8}
+
+
+def test_without_augmentation_both_loaders_give_the_evaluation_transform_of_the_training_files(smooth_tree):
+    """A recipe that switches augmentation off (schedule.augment) gets resize + centre crop, no flip."""
+    from data.decode import Encoded
+    from data.torch_loader import EvalCrop
+    mean_255 = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1) * 255
+    for loader in loaders(smooth_tree):
+        loader.sampler.epoch, loader.sampler.start_step = 1, 0
+        order = [i for batch in loader.sampler for i, _ in batch]
+        batches = list(loader.train_batches(epoch=1, augment=False))
+        images, labels = torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches])
+        assert labels.tolist() == [loader.train_source.samples[i][1] for i in order]
+        for image, index in zip(images, order, strict=True):
+            payload, _ = loader.train_source.read(index)
+            expected = (EvalCrop(32)(Encoded(payload, "x")).float() - mean_255) / STD_255[0]
+            levels = (image - expected).abs() * STD_255[0]
+            if isinstance(loader, TorchLoader):  # the same transform: equal up to float rounding
+                assert levels.max() < 1e-3, float(levels.max())
+            else:  # DALI's own resize: as close as its evaluation crops are to torchvision's
+                assert levels.mean() < 5 and levels.max() < 20, float(levels.mean())

@@ -3,7 +3,7 @@ import re
 
 import pytest
 
-from conftest import compliance, read_metrics, run_train
+from helpers import compliance, read_metrics, run_train
 
 
 @pytest.mark.slow

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import REPO, child_env, launch, launch_command, read_metrics, run_train
+from helpers import REPO, child_env, launch, launch_command, read_metrics, run_train
 from data.embedded import ensure_embedded
 from models import build_model
 

@@ -5,7 +5,7 @@ import subprocess
 import pytest
 import torch
 
-from conftest import run_train
+from helpers import run_train
 from data.embedded import ensure_embedded
 from train.config import parse
 

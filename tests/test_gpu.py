@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, run_train
+from helpers import REPO, read_metrics, run_train
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DALI_ABSENT = "DALI absent"  # scripts/gpu_check.sh reports this skip as such, and fails on any other

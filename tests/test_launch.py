@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from conftest import REPO, launch, read_metrics
+from helpers import REPO, launch, read_metrics
 from train import engines
 from train.config import UsageError
 from train.engines import Launch, choose_engine, detect_launch

@@ -1,5 +1,6 @@
 """The shape of the code: data/ is a leaf package without import cycles, functions stay short, the
-engines satisfy one protocol, and every choice the CLI offers comes from a registry."""
+engines satisfy one protocol, every choice the CLI offers comes from a registry, and tests share
+their helpers through tests/helpers."""
 import ast
 import inspect
 from pathlib import Path
@@ -37,6 +38,12 @@ def test_data_is_a_leaf_package_without_import_cycles():
             visit(other, [*trail, module])
     for module in graph:
         visit(module, [])
+
+
+def test_tests_share_helpers_through_tests_helpers_not_conftest():
+    importing = [path.name for path in sorted((REPO / "tests").rglob("*.py"))
+                 if "conftest" in imported_modules(path)]
+    assert not importing, f"import the shared helpers from tests/helpers, not conftest: {importing}"
 
 
 def test_no_function_in_the_packages_is_longer_than_60_lines():

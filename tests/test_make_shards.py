@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 import data.shards as shards_module
-from conftest import REPO
+from helpers import REPO
 from data.loaders import FolderSource
 from data.tree import check_tree
 from data.shards import ShardSamples, write_shards

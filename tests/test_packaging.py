@@ -5,7 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from conftest import REPO
+from helpers import REPO
 
 BIN = Path(sys.executable).parent
 SCRIPTS = sorted([*REPO.glob("scripts/**/*.sh"), *REPO.glob("scripts/**/*.sbatch"), REPO / ".ci" / "run"])

@@ -10,7 +10,7 @@ import pytest
 from PIL import Image
 from scipy.io import savemat
 
-from conftest import REPO
+from helpers import REPO
 from data.tree import check_tree
 
 SCRIPT = REPO / "scripts" / "prepare_imagenet.py"

@@ -3,8 +3,9 @@ import time
 
 import pytest
 import torch
+import yaml
 
-from conftest import read_metrics, run_train
+from helpers import read_metrics, run_train
 
 RUN = ["--arch", "resnet18", "--epochs", 2, "--workers", 2, "--log-every", 4]
 
@@ -103,3 +104,18 @@ def test_a_resumed_run_marks_its_segment_and_keeps_seconds_running(tmp_path):
     assert seconds == sorted(seconds)  # training time never runs backwards
     steps = [(r["kind"], r["step"]) for r in records]
     assert len(steps) == len(set(steps))  # no step logged twice
+
+
+def test_the_class_count_is_recorded_checked_on_resume_and_may_be_absent_in_older_runs(tmp_path):
+    first = run_train("--out-dir", "run", *SHORT, "--max-steps", 5, "--eval-every", 0, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    config = tmp_path / "run" / "config.yaml"
+    assert yaml.safe_load(config.read_text())["num_classes"] == 10
+    other = run_train("--out-dir", "run", "--resume", "--max-steps", 0, "--synthetic-classes", 12, cwd=tmp_path)
+    assert other.returncode == 2 and other.stderr.strip() == \
+        "error: the synthetic data has 12 classes, the run 10; check --data-dir (or --num-classes)", other.stderr
+    older = {k: v for k, v in yaml.safe_load(config.read_text()).items() if k != "num_classes"}
+    config.write_text(yaml.safe_dump(older, sort_keys=False))  # as written before the count was recorded
+    resumed = run_train("--out-dir", "run", "--resume", "--max-steps", 0, cwd=tmp_path)
+    assert resumed.returncode == 0 and "resuming run at step 5" in resumed.stdout, resumed.stderr
+    assert yaml.safe_load(config.read_text())["num_classes"] == 10

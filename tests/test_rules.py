@@ -6,7 +6,7 @@ import re
 import pytest
 import yaml
 
-from conftest import read_metrics, run_train
+from helpers import read_metrics, run_train
 from data.embedded import ensure_embedded
 from train.config import Config, UsageError, parse
 from train.rules import batch_sizes, lr_and_warmup, rule_lr_and_warmup

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, read_metrics, run_train
+from helpers import REPO, read_metrics, run_train
 from data.embedded import ensure_embedded
 from data.loaders import FolderSource
 from data.tree import check_tree

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import REPO, compliance, read_metrics
+from helpers import REPO, compliance, read_metrics
 
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 

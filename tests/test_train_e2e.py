@@ -10,7 +10,7 @@ import torch
 import torchvision
 import yaml
 
-from conftest import child_env, compliance, read_metrics, run_train
+from helpers import child_env, compliance, read_metrics, run_train
 from data.embedded import ensure_embedded
 from train.config import parse, preset_names
 

@@ -31,6 +31,7 @@ class Config:
     synthetic_images: int = field(default=1_281_167, metadata={"help": "training-set size of --loader synthetic"})
     synthetic_val_images: int = field(default=50_000, metadata={"help": "validation-set size of --loader synthetic"})
     synthetic_classes: int = field(default=1000, metadata={"help": "classes of --loader synthetic"})
+    num_classes: int = field(default=0, metadata={"help": "classes the data must have (0: as many as it has); a run records its count in config.yaml"})
     # model
     arch: str = field(default="resnet50", metadata={"help": "a torchvision ResNet"})
     zero_init_residual: bool = field(default=True, metadata={"help": "zero the last BN gamma of every residual block"})
@@ -212,6 +213,7 @@ def validate(cfg: Config) -> Config:
     need(cfg.global_batch_size >= 0, f"--global-batch-size must be positive, got {cfg.global_batch_size}")
     need(cfg.epochs > 0, f"--epochs must be positive, got {cfg.epochs}")
     need(cfg.image_size >= 16, f"--image-size must be at least 16, got {cfg.image_size}")
+    need(cfg.num_classes >= 0, f"--num-classes must be 0 or more, got {cfg.num_classes}")
     need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
     for name, names in choices().items():
         value = getattr(cfg, name)

@@ -141,7 +141,7 @@ class Training:
         self.log.epoch_start(s.epoch + 1, fresh=s.step_in_epoch == 0)
         self.model.train()
         window, self.epoch_meter = LossMeter(engine.device), LossMeter(engine.device)
-        batches = progress(self.loader.train_batches(s.epoch, s.step_in_epoch),
+        batches = progress(self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch)),
                            self.loader.steps_per_epoch - s.step_in_epoch, engine.rank == 0, f"epoch {s.epoch + 1}")
         for images, labels in batches:
             loss = self.train_step(images, labels)

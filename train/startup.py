@@ -62,6 +62,10 @@ def checked_setup(cfg: Config, engine):
     data_dir = resolve_data_dir(cfg)
     loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name),
                           engine.rank, engine.world_size, engine.device)
+    if cfg.num_classes and cfg.num_classes != loader.num_classes:  # a resumed run's model has the recorded count
+        raise UsageError(f"{data_dir or 'the synthetic data'} has {loader.num_classes} classes, the run "
+                         f"{cfg.num_classes}; check --data-dir (or --num-classes)")
+    cfg = dataclasses.replace(cfg, num_classes=loader.num_classes)  # recorded in config.yaml
     if engine.rank == 0:
         _check_out_dir(cfg)
     return cfg, loader, precision, data_dir, note
