@@ -1,5 +1,6 @@
 """The scorer on hand-made run directories (known times and accuracies) and on real runs."""
 import json
+import shutil
 import struct
 import subprocess
 import sys
@@ -7,7 +8,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import run_train
+from helpers import run_train
 from models import eval_flops_per_image, train_flops_per_image
 
 T0 = 1_700_000_000_000  # run_start, ms
@@ -64,6 +65,27 @@ def test_valid_flops_arithmetic_on_a_hand_made_log(tmp_path):
     assert got["hpc_ai500_level"] == "hardware"
     other = score(tmp_path / "run", "--json", "--no-check", "--target", 0.8, "--power", 10, cwd=tmp_path)
     assert json.loads(other.stdout)["valid_flops"] == pytest.approx(flops * (0.765 / 0.8) ** 10)
+
+
+def test_the_class_count_a_run_recorded_is_used_and_older_runs_are_guessed(tmp_path):
+    # A run from before runs recorded num_classes: the embedded dataset (no data_dir), so ten classes.
+    old = make_run(tmp_path, "old", [(100, 0.5)], stop_s=100, images=20_000, eval_images=3_000,
+                   config={"arch": "resnet18", "image_size": 32, "data_dir": "", "loader": "torch"})
+    runs = {}
+    for name, classes in (("recorded", 100), ("zero", 0)):  # 0: nothing recorded, guessed as before
+        runs[name] = tmp_path / name
+        shutil.copytree(old, runs[name])
+        config = yaml.safe_load((old / "config.yaml").read_text())
+        (runs[name] / "config.yaml").write_text(yaml.safe_dump({**config, "num_classes": classes}))
+    got = {name: json.loads(score(run, "--json", "--no-check", cwd=tmp_path).stdout)
+           for name, run in {"old": old, **runs}.items()}
+    ten = 20_000 * train_flops_per_image("resnet18", 32, 10) + 3_000 * eval_flops_per_image("resnet18", 32, 10)
+    assert got["old"]["total_flop"] == got["zero"]["total_flop"] == ten
+    difference = (20_000 * (train_flops_per_image("resnet18", 32, 100) - train_flops_per_image("resnet18", 32, 10))
+                  + 3_000 * (eval_flops_per_image("resnet18", 32, 100) - eval_flops_per_image("resnet18", 32, 10)))
+    assert difference > 0
+    assert got["recorded"]["total_flop"] - got["old"]["total_flop"] == difference
+    assert got["recorded"]["flops"] == pytest.approx((ten + difference) / 100.0)
 
 
 def test_olympic_mean_with_and_without_a_run_that_missed_the_target(tmp_path):

@@ -21,9 +21,10 @@ def read_metrics(run_dir: Path) -> list[dict]:
 
 
 def compliance(mllog: Path, cwd: Path) -> subprocess.CompletedProcess:
-    """The real mlperf_logging compliance checker (it writes compliance_checker.log into cwd)."""
-    return subprocess.run([sys.executable, "-m", "mlperf_logging.compliance_checker", "--usage", "training",
-                           "--ruleset", "4.0.0", str(mllog)], cwd=cwd, capture_output=True, text=True, timeout=120)
+    """The real mlperf_logging compliance checker, called as the scorer calls it (it writes
+    compliance_checker.log into cwd)."""
+    from train.score import run_checker
+    return run_checker(Path(mllog).resolve(), cwd=cwd, log_output=None)
 
 
 BIN = Path(sys.executable).parent

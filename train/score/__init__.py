@@ -1,0 +1,35 @@
+"""`python -m train.score RUN_DIR [RUN_DIR ...]`: time to quality, throughput, FLOPs, Valid FLOPS
+(HPC AI500: FLOPS x (top1 / target) ** n, image classification target 0.763, n 5) and the MLPerf
+verdict of training runs; `--time-s T --top1 A [--epochs 90]` scores a published result the same way.
+
+FLOPs are counted, not assumed: training FLOPs per image of the run's arch, image size and class
+count (models.train_flops_per_image) x images trained, plus forward FLOPs x images evaluated. The
+class count is the `num_classes` the run recorded in config.yaml; for a run made before runs did,
+it is guessed from the data (`synthetic_classes`, 1000 with a data_dir, else the embedded ten).
+
+A resumed run (metrics.jsonl has a `resume` record at the start of each later segment, with the
+downtime `gap_s`) is measured in training time, the downtime excluded: time to quality, time to
+target, throughput and FLOPS; `training_time_s` and `wall_time_s` (first run_start to the end) are
+both given (the table's `time s` and `wall s`), and the status gains `, resumed Nx`
+(`complete, resumed 1x`); the report breaks the throughput line at each resume and marks it with
+a dotted line. The run's end is the last segment's run_stop; a last segment without one is
+`crashed`. The MLPerf verdict stays the checker's (it fails a log with several run_start lines).
+A run without `resume` records has training time = wall time, as before.
+
+The modules: logs (reading a run directory), flops (FLOP counts, Valid FLOPS), mlperf (the
+compliance checker, the olympic mean), level (the HPC AI500 level), runs (a run or a published
+result -> Score), report (table and figure), cli (the command line).
+"""
+from train.score.cli import main
+from train.score.flops import (HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES, num_classes, run_flop,
+                               valid_flops)
+from train.score.level import RECIPE_KEYS, hpc_ai500_level
+from train.score.logs import read_config, read_metrics, read_mllog, training_seconds
+from train.score.mlperf import MLPERF_TARGET, compliance, mlperf_score, run_checker
+from train.score.report import draw_report, report_figure, table, throughput_series
+from train.score.runs import Score, ScoreError, score_published, score_run
+
+__all__ = ["HPC_AI500_POWER", "HPC_AI500_TARGET", "IMAGENET_TRAIN_IMAGES", "MLPERF_TARGET", "RECIPE_KEYS", "Score",
+           "ScoreError", "compliance", "draw_report", "hpc_ai500_level", "main", "mlperf_score", "num_classes",
+           "read_config", "read_metrics", "read_mllog", "report_figure", "run_checker", "run_flop", "score_published",
+           "score_run", "table", "throughput_series", "training_seconds", "valid_flops"]

@@ -1,0 +1,131 @@
+"""Scoring one run directory, or a published (time, accuracy, epochs) triple, into a Score."""
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from train.score.flops import HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES, published_flop, run_flop, valid_flops
+from train.score.level import hpc_ai500_level
+from train.score.logs import read_config, read_metrics, read_mllog, training_seconds
+from train.score.mlperf import compliance
+
+# The settings that make runs one configuration for an MLPerf score.
+CONFIG_KEYS = ("arch", "image_size", "global_batch_size", "optimizer", "lr", "epochs", "warmup_epochs", "preset")
+
+
+class ScoreError(Exception):
+    """Nothing could be scored; the message says why."""
+
+
+@dataclass
+class Score:
+    run: str
+    time_to_quality_s: float
+    images: int
+    throughput_img_s: float
+    top1: float
+    total_flop: float
+    flops: float
+    valid_flops: float
+    mlperf_compliant: bool | None = None
+    mlperf_verdict: str = ""
+    time_to_target_s: float | None = None
+    reached_target: bool | None = None
+    training_time_s: float | None = None
+    wall_time_s: float | None = None
+    status: str = "complete"
+    hpc_ai500_level: str = ""
+    level_reason: str = ""
+    config_key: str = ""
+    notes: list = field(default_factory=list)
+
+
+@dataclass
+class _Log:
+    """What mllog.txt says of a run: the run_start of each segment (ms), its evals, its end and status."""
+    starts: list[float]
+    evals: list[dict]
+    end_ms: float
+    status: str
+
+
+def _read_log(mllog: Path, notes: list) -> _Log:
+    events = read_mllog(mllog, notes)
+    starts = [e["time_ms"] for e in events if e["key"] == "run_start"]
+    evals = [e for e in events if e["key"] == "eval_accuracy"]
+    if not starts:
+        raise ScoreError(f"{mllog} has no run_start; the run never began training")
+    # One run_start per segment of a resumed run: only the last segment's run_stop ends the run.
+    stops = [e for e in events if e["key"] == "run_stop" and e["time_ms"] >= starts[-1]]
+    if not evals:
+        raise ScoreError(f"{mllog} has no eval_accuracy; the run never evaluated, so it has no quality to score")
+    if not stops:
+        notes.append("no run_stop: the run crashed or is still running; scored up to its last complete eval")
+        return _Log(starts, evals, evals[-1]["time_ms"], "crashed")
+    status = "complete" if stops[-1].get("metadata", {}).get("status") == "success" else "aborted"
+    return _Log(starts, evals, stops[-1]["time_ms"], status)
+
+
+def _note_segments(log: _Log, resumes: list[dict], seconds: float, wall_seconds: float, notes: list) -> str:
+    """The run's status with its resumes (`complete, resumed 1x`); notes how its times were taken."""
+    if resumes:
+        notes.append(f"resumed {len(resumes)}x: time to quality, time to target and throughput are in training time "
+                     f"({seconds:.1f} s); the wall time {wall_seconds:.1f} s includes {wall_seconds - seconds:.1f} s down")
+        return f"{log.status}, resumed {len(resumes)}x"
+    if len(log.starts) > 1:
+        notes.append(f"{len(log.starts)} run_start lines but no resume records in metrics.jsonl: the times include the "
+                     "downtime between segments")
+    return log.status
+
+
+def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, check: bool) -> Score:
+    """Score one run directory up to its end (its last eval if it crashed); ScoreError if it cannot be."""
+    mllog = run_dir / "mllog.txt"
+    if not run_dir.exists():
+        raise ScoreError(f"{run_dir} does not exist")
+    if not mllog.is_file():
+        raise ScoreError(f"{run_dir} holds no mllog.txt; is it a run directory?")
+    notes: list[str] = []
+    config = read_config(run_dir)
+    log = _read_log(mllog, notes)
+    metrics = read_metrics(run_dir, notes)
+    resumes = [m for m in metrics if m.get("kind") == "resume"]
+    run_start = log.starts[0]
+    wall_seconds, seconds = (log.end_ms - run_start) / 1000, training_seconds(log.end_ms, run_start, resumes)
+    if seconds <= 0:
+        raise ScoreError(f"{mllog}: run_stop is not after run_start; the log's clock is broken")
+    status = _note_segments(log, resumes, seconds, wall_seconds, notes)
+    # The images trained up to the end (a crashed run's end is its last eval), and all images evaluated.
+    trained = [m for m in metrics if m.get("kind") in ("train", "epoch") and m["time"] * 1000 <= log.end_ms + 1]
+    images = max((m["images"] for m in trained), default=0)
+    eval_images = sum(m.get("eval_images", 0) for m in metrics if m.get("kind") == "eval")
+    top1 = float(log.evals[-1]["value"])
+    reached = [e for e in log.evals if e["value"] >= mlperf_target]
+    total_flop = run_flop(config, images, eval_images)
+    flops = total_flop / seconds
+    level, reason = hpc_ai500_level(config)
+    verdict = compliance(mllog) if check else (None, "not checked")
+    return Score(run=str(run_dir), time_to_quality_s=round(seconds, 3), images=images,
+                 throughput_img_s=round(images / seconds, 2), top1=top1, total_flop=total_flop, flops=flops,
+                 valid_flops=valid_flops(flops, top1, target, power), mlperf_compliant=verdict[0],
+                 mlperf_verdict=verdict[1], reached_target=bool(reached),
+                 time_to_target_s=round(training_seconds(reached[0]["time_ms"], run_start, resumes), 3) if reached else None,
+                 training_time_s=round(seconds, 3), wall_time_s=round(wall_seconds, 3), status=status,
+                 hpc_ai500_level=level, level_reason=reason,
+                 config_key=json.dumps({k: config.get(k) for k in CONFIG_KEYS}, sort_keys=True), notes=notes)
+
+
+def score_published(time_s: float, top1: float, epochs: float = 90, *, train_images: int = IMAGENET_TRAIN_IMAGES,
+                    arch: str = "resnet50", image_size: int = 224, target: float = HPC_AI500_TARGET,
+                    power: float = HPC_AI500_POWER) -> Score:
+    """Score a published result: epochs x train_images images trained in time_s seconds to top1."""
+    if time_s <= 0:
+        raise ScoreError(f"--time-s must be positive, got {time_s}")
+    if not 0 < top1 <= 1:
+        raise ScoreError(f"--top1 is a fraction in (0, 1], got {top1}")
+    images = round(epochs * train_images)
+    total_flop = published_flop(images, arch, image_size)
+    flops = total_flop / time_s
+    return Score(run="published", time_to_quality_s=time_s, images=images, throughput_img_s=round(images / time_s, 2),
+                 training_time_s=time_s, wall_time_s=time_s, top1=top1, total_flop=total_flop, flops=flops,
+                 valid_flops=valid_flops(flops, top1, target, power),
+                 status="published", notes=[f"{epochs:g} epochs x {train_images:,} images"])
