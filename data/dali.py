@@ -52,7 +52,7 @@ class DaliLoader(FileLoader):
     def _train_pipeline(self, feed, seed):
         fn, types, cfg = self.fn, self.types, self.cfg
 
-        @self.pipeline_def(batch_size=cfg.batch_size, seed=seed, **self.pipeline_kwargs)
+        @self.pipeline_def(batch_size=self.sampler.batch_size, seed=seed, **self.pipeline_kwargs)
         def train():
             jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
             images = fn.decoders.image_random_crop(jpegs, device=self.decode_device, output_type=types.RGB,
@@ -63,10 +63,10 @@ class DaliLoader(FileLoader):
             return self._normalise(images, mirror=fn.random.coin_flip()), labels
         return train()
 
-    def _eval_pipeline(self, feed):
+    def _eval_pipeline(self, feed, batch_size):
         fn, types, cfg = self.fn, self.types, self.cfg
 
-        @self.pipeline_def(batch_size=cfg.batch_size, seed=0, **self.pipeline_kwargs)
+        @self.pipeline_def(batch_size=batch_size, seed=0, **self.pipeline_kwargs)
         def evaluate():
             jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
             images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB)
@@ -111,7 +111,7 @@ class DaliLoader(FileLoader):
         self.sampler.epoch, self.sampler.start_step = epoch, start_step
         feed = self._train_feed(iter(self.sampler))
         if not augment:  # the evaluation transform on the training files
-            return self._run(self._eval_pipeline(lambda: next(feed)))
+            return self._run(self._eval_pipeline(lambda: next(feed), self.sampler.batch_size))
         seed = (epoch_seed(self.cfg.seed, epoch) * 1009 + self.rank) % (1 << 31)  # DALI's own per rank and epoch
         return self._run(self._train_pipeline(lambda: next(feed), seed))
 
@@ -131,7 +131,7 @@ class DaliLoader(FileLoader):
 
     def val_batches(self):
         feed = self._eval_feed()
-        return self._run(self._eval_pipeline(lambda: next(feed)))
+        return self._run(self._eval_pipeline(lambda: next(feed), self.cfg.batch_size))
 
 
 def _dali_to_torch(tensor, device, dtype):

@@ -120,6 +120,11 @@ class Loader:
     def val_batches(self):
         raise NotImplementedError
 
+    def set_batch_size(self, per_rank: int) -> None:
+        """Batch-size control: this rank's training batch (and so the steps per epoch) from the next
+        train_batches on. Every image still appears once per epoch."""
+        raise NotImplementedError
+
 
 class FileLoader(Loader):
     """A loader of real files (the torch and DALI loaders): both splits' samples, the training
@@ -139,6 +144,10 @@ class FileLoader(Loader):
             counts = torch.bincount(torch.tensor(self.train_source.targets, dtype=torch.int64), minlength=len(classes))
             self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
 
+    def set_batch_size(self, per_rank: int) -> None:
+        self.sampler.batch_size, self.sampler.global_batch = per_rank, per_rank * self.sampler.world_size
+        self.steps_per_epoch = self.train_images // self.sampler.global_batch
+
 
 _VAL_STREAM = 1 << 45  # validation samples are indexed apart from any training index
 
@@ -148,7 +157,7 @@ class SyntheticLoader(Loader):
 
     def __init__(self, cfg, rank, world_size, device):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
-        self.global_batch = cfg.batch_size * world_size
+        self.batch_size, self.global_batch = cfg.batch_size, cfg.batch_size * world_size
         if cfg.synthetic_images < self.global_batch:
             raise DataError(f"--synthetic-images {cfg.synthetic_images} is fewer than one global batch of {self.global_batch}")
         super().__init__(cfg.synthetic_classes, cfg.synthetic_images, cfg.synthetic_val_images,
@@ -160,8 +169,12 @@ class SyntheticLoader(Loader):
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels
 
+    def set_batch_size(self, per_rank: int) -> None:
+        self.batch_size, self.global_batch = per_rank, per_rank * self.world_size
+        self.steps_per_epoch = self.train_images // self.global_batch
+
     def train_batches(self, epoch, start_step=0, augment=True):  # random tensors: nothing to augment
-        b = self.cfg.batch_size
+        b = self.batch_size
         for step in range(start_step, self.steps_per_epoch):
             global_index = epoch * self.train_images + step * self.global_batch + self.rank * b
             yield self._batch(torch.arange(global_index, global_index + b))

@@ -14,7 +14,11 @@ def main(argv: list[str] | None = None) -> int:
         except UsageError as err:  # the same flags on every rank: the same error everywhere
             err.agreed = True
             raise
-        test_only(cfg) if cfg.test_only else run(cfg)
+        if cfg.show_recipe:
+            from train.recipe import show_recipe
+            show_recipe(cfg)
+        else:
+            test_only(cfg) if cfg.test_only else run(cfg)
     except (UsageError, DataError) as err:
         return _exit(err, f"error: {err}", 2)
     except RunAborted as err:

@@ -36,31 +36,47 @@ class Config:
     arch: str = field(default="resnet50", metadata={"help": "a torchvision ResNet"})
     zero_init_residual: bool = field(default=True, metadata={"help": "zero the last BN gamma of every residual block"})
     channels_last: bool = field(default=True, metadata={"help": "NHWC memory format for model and batches"})
+    bn_group_size: int = field(default=0, metadata={"help": "ghost BatchNorm: statistics over groups of this many images inside a rank's batch (0: the whole per-rank batch); with --bn-span S, group i of S ranks together"})
+    bn_recompute_batches: int = field(default=0, metadata={"help": "BatchNorm without moving averages: before each evaluation, statistics recomputed over the last K training batches, averaged over all ranks (0: running averages)"})
+    init_from_seed: bool = field(default=False, metadata={"help": "every rank builds the initial model from --seed instead of receiving rank 0's by broadcast (a checksum checks they agree)"})
     precision: str = field(default="auto", metadata={"help": "fp16 is CUDA only; auto: bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU"})
     # optimisation
     optimizer: str = field(default="lars", metadata={"help": "optimizer (train/optim.py)"})
     lr_schedule: str = field(default="warmup-poly", metadata={"help": "what changes during the run (train/schedule.py)"})
     batch_size: int = field(default=0, metadata={"help": "images per rank per step (0: --global-batch-size / ranks, or 256 when neither is set)"})
     global_batch_size: int = field(default=0, metadata={"help": "images per step over all ranks (0: --batch-size x ranks)"})
+    batch_schedule: str = field(default="", metadata={"help": "batch-size control: 'E:B,...' = global batch B after E epochs (e.g. '30:69632'); per-rank batch and LR follow"})
     epochs: int = field(default=90, metadata={"help": "length of the run and of the LR schedule"})
     lr: float = field(default=0.0, metadata={"help": "peak learning rate for the global batch (0: chosen from the global batch, see docs/learning_rate.md)"})
     lr_per_256: float = field(default=0.0, metadata={"help": "if set, peak LR = this x global batch / 256"})
     warmup_epochs: float = field(default=-1.0, metadata={"help": "linear warmup length in epochs (-1: chosen from the global batch)"})
     end_lr: float = field(default=1e-4, metadata={"help": "LR at the last step of the polynomial decay"})
     lr_decay_power: float = field(default=2.0, metadata={"help": "power of the polynomial decay"})
+    warmup_start_lr: float = field(default=0.0, metadata={"help": "LR of the warmup's first step (0: ramp up from 0)"})
+    lr_decay_epochs: str = field(default="30,60,80", metadata={"help": "--lr-schedule multistep: epochs after which the LR is multiplied by --lr-decay-factor"})
+    lr_decay_factor: float = field(default=0.1, metadata={"help": "--lr-schedule multistep: LR factor at each --lr-decay-epochs"})
+    lr_phases: str = field(default="", metadata={"help": "--lr-schedule phases: 'EPOCHS:FACTOR,...' = the peak LR x FACTOR for that many epochs (slow start)"})
+    nesterov: bool = field(default=False, metadata={"help": "Nesterov momentum (--optimizer sgd)"})
+    sgd_share_center: float = field(default=10.0, metadata={"help": "--optimizer rmsprop-warmup: epoch at which the momentum-SGD share of the update passes 1/2"})
+    sgd_share_width: float = field(default=5.0, metadata={"help": "--optimizer rmsprop-warmup: epochs over which the SGD share rises from 0 to 1"})
+    rmsprop_lr_ratio: float = field(default=0.001, metadata={"help": "--optimizer rmsprop-warmup: the RMSprop term's LR as a fraction of the LR"})
+    rmsprop_alpha: float = field(default=0.99, metadata={"help": "--optimizer rmsprop-warmup: decay of the squared-gradient average"})
+    rmsprop_epsilon: float = field(default=1e-8, metadata={"help": "--optimizer rmsprop-warmup: added to the RMS"})
     momentum: float = field(default=0.9)
     weight_decay: float = field(default=5e-5)
     lars_eta: float = field(default=0.001, metadata={"help": "LARS trust coefficient"})
     lars_epsilon: float = field(default=0.0, metadata={"help": "LARS epsilon (0 means 0)"})
     label_smoothing: float = field(default=0.1)
+    augment_off_epoch: int = field(default=0, metadata={"help": "from this epoch on (counted from 1) training images get the evaluation transform, no random crop or flip (0: never)"})
     # evaluation
     eval_every: int = field(default=4, metadata={"help": "evaluate every N epochs (0: never)"})
     eval_offset: int = field(default=0, metadata={"help": "evaluate after epoch e when (e + offset) %% eval_every == 0"})
     target_accuracy: float = field(default=0.0, metadata={"help": "stop once top-1 reaches this (0: run all epochs)"})
     # run
     engine: str = field(default="auto", metadata={"help": "auto: from the launcher's environment"})
-    allreduce: str = field(default="flat", metadata={"help": "hierarchical: reduce-scatter in the node, all-reduce across nodes, all-gather"})
+    allreduce: str = field(default="flat", metadata={"help": "hierarchical: reduce-scatter in the node, all-reduce across nodes, all-gather; torus: the same on a grid of --torus-rows, half of each bucket each way (docs/allreduce.md)"})
     ranks_per_node: int = field(default=0, metadata={"help": "node size for --allreduce hierarchical (0: ranks sharing a host name)"})
+    torus_rows: int = field(default=0, metadata={"help": "--allreduce torus: ranks in one line of the grid, among which the reduce-scatter runs (0: the ranks per node)"})
     fp16_allreduce: bool = field(default=False, metadata={"help": "send gradients as fp16 (Horovod fp16 compression / DDP fp16 hook)"})
     bn_span: int = field(default=1, metadata={"help": "BatchNorm statistics over groups of this many consecutive ranks"})
     stop_check_every: int = field(default=10, metadata={"help": "steps between the ranks' agreement on a preemption signal"})
@@ -70,6 +86,7 @@ class Config:
     log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt"})
+    show_recipe: bool = field(default=False, metadata={"help": "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop"})
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
     max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
     division: str = field(default="open", metadata={"help": "MLPerf division declared in the log"})
@@ -228,6 +245,17 @@ def validate(cfg: Config) -> Config:
     need(cfg.eval_every >= 0 and cfg.eval_offset >= 0, "--eval-every and --eval-offset must not be negative")
     need(cfg.max_steps >= 0, f"--max-steps must not be negative, got {cfg.max_steps}")
     need(cfg.log_every > 0 and cfg.checkpoint_every > 0, "--log-every and --checkpoint-every must be positive")
+    need(cfg.bn_group_size >= 0 and cfg.bn_recompute_batches >= 0 and cfg.torus_rows >= 0 and cfg.augment_off_epoch >= 0,
+         "--bn-group-size, --bn-recompute-batches, --torus-rows and --augment-off-epoch must not be negative")
+    from train.schedule import batch_changes, decay_epochs, lr_phases
+    try:
+        batch_changes(cfg.batch_schedule)
+        if cfg.lr_schedule == "multistep":
+            decay_epochs(cfg.lr_decay_epochs)
+        if cfg.lr_schedule == "phases":
+            lr_phases(cfg.lr_phases)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     return cfg
 
 

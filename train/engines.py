@@ -4,7 +4,9 @@ never asks which engine it has.
 `none` is one process; `torch` is torch.distributed (DDP; launched by torchrun, Slurm's srun, or
 mpirun with MASTER_ADDR); `horovod` is Horovod (horovodrun, or mpirun). `auto` picks one from the
 launcher's environment (detect_launch). A new all-reduce algorithm is one more name in ALLREDUCE
-and a branch of each engine's wrap().
+and a branch of each engine's wrap(); the two-level ones (hierarchical, torus) are routes over a grid
+of ranks (two_level_routes), run by one DDP hook and one Horovod optimizer wrapper
+(docs/allreduce.md).
 """
 import contextlib
 import datetime
@@ -19,7 +21,7 @@ import torch
 from models.batchnorm import convert_batchnorm
 from train.config import UsageError
 
-ALLREDUCE = ("flat", "hierarchical")  # --allreduce NAME
+ALLREDUCE = ("flat", "hierarchical", "torus")  # --allreduce NAME
 
 
 @runtime_checkable
@@ -31,12 +33,15 @@ class Engine(Protocol):
     local_size: int
     device: torch.device
 
-    def sync_batchnorm(self, model: torch.nn.Module, span: int) -> torch.nn.Module:
-        """BatchNorm statistics over groups of `span` consecutive ranks."""
+    def sync_batchnorm(self, model: torch.nn.Module, span: int, ghost: int = 0) -> torch.nn.Module:
+        """BatchNorm statistics over groups of `span` consecutive ranks and, with `ghost` G > 0, over
+        groups of G consecutive images inside each rank's batch (group i of the span's ranks together).
+        span 1 and ghost 0: the model as it is (plain BatchNorm2d)."""
 
     def wrap(self, model: torch.nn.Module, optimizer) -> tuple:
         """(model, optimizer) whose gradients are averaged over the ranks (overlapped with backward),
-        with rank 0's parameters and optimizer state on every rank."""
+        with rank 0's parameters and optimizer state on every rank (--init-from-seed: the ranks'
+        own parameters, checked to be alike, UsageError on every rank if not)."""
 
     def step(self, loss: torch.Tensor, optimizer, precision) -> None:
         """Backward, gradient averaging, the loss scaler's unscale-and-check, the optimizer step."""
@@ -78,8 +83,8 @@ class SingleProcess:
         self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
         self.device = _device(0)
 
-    def sync_batchnorm(self, model, span: int):
-        return model
+    def sync_batchnorm(self, model, span: int, ghost: int = 0):
+        return convert_batchnorm(model, None, 1, ghost) if ghost else model
 
     def wrap(self, model, optimizer):
         return model, optimizer
@@ -110,6 +115,27 @@ class SingleProcess:
         pass
 
 
+def torus_grid(world_size: int, rows: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The ranks as a grid: lines of `rows` consecutive ranks, and columns of the ranks at the same
+    position in each line. With rows = ranks per node, lines are nodes and columns join the ranks
+    with the same local rank."""
+    lines = [tuple(range(start, start + rows)) for start in range(0, world_size, rows)]
+    columns = [tuple(range(position, world_size, rows)) for position in range(rows)]
+    return lines, columns
+
+
+def two_level_routes(allreduce: str, rank: int, world_size: int, rows: int) -> list[tuple[tuple, tuple]]:
+    """This rank's routes, one per part of each gradient bucket: (scatter ranks, reduce ranks) =
+    reduce-scatter among the scatter ranks, all-reduce of each shard among the reduce ranks, all-gather
+    among the scatter ranks. hierarchical: the whole bucket rows-first (lines are nodes). torus: the
+    first half rows-first, the second half columns-first, so that both directions carry traffic at once."""
+    lines, columns = torus_grid(world_size, rows)
+    line, column = lines[rank // rows], columns[rank % rows]
+    if allreduce == "torus":
+        return [(line, column), (column, line)]
+    return [(line, column)]
+
+
 def check_bn_span(span: int, world_size: int) -> None:
     if span < 1 or world_size % span:
         raise UsageError(f"--bn-span {span} does not divide the {world_size} rank(s) of this launch; "
@@ -127,6 +153,10 @@ class _Topology:
         if self.world_size % self.local_size:
             raise UsageError(f"{self.world_size} ranks do not split into nodes of {self.local_size}; "
                              "set --ranks-per-node to a divisor of the rank count")
+        rows = cfg.torus_rows or self.local_size
+        if cfg.allreduce == "torus" and (rows < 1 or self.world_size % rows):
+            raise UsageError(f"--torus-rows {rows} does not divide the {self.world_size} ranks of this launch; "
+                             "choose a divisor of the rank count (0: the ranks per node)")
         self.node = self.rank // self.local_size
         self.local_rank = self.rank % self.local_size
         self.nodes = self.world_size // self.local_size
@@ -137,6 +167,41 @@ class _Topology:
     def _bn_groups(self, span: int) -> list[list[int]]:
         check_bn_span(span, self.world_size)
         return [list(range(start, start + span)) for start in range(0, self.world_size, span)]
+
+    def _bn_all_reduce(self, span: int):
+        """The sum over this rank's BatchNorm span, differentiable (backward sums too); None for span 1.
+        Every rank creates every span's group, in the same order."""
+        if span == 1:
+            return None
+        groups = [self._group(ranks) for ranks in self._bn_groups(span)]
+        return self._differentiable_sum(groups[self.rank // span])
+
+    def sync_batchnorm(self, model, span: int, ghost: int = 0):
+        if span == 1 and not ghost:
+            return model  # untouched: plain BatchNorm2d, bit for bit
+        return convert_batchnorm(model, self._bn_all_reduce(span), span, ghost)
+
+    def _two_level_routes(self) -> list[tuple[tuple, tuple]]:
+        """The routes of --allreduce hierarchical (lines are nodes) or torus (lines of --torus-rows, 0:
+        the ranks per node), after every rank has created every line's and column's group alike."""
+        rows = (self.cfg.torus_rows if self.cfg.allreduce == "torus" else 0) or self.local_size
+        lines, columns = torus_grid(self.world_size, rows)
+        for ranks in lines + columns:
+            if len(ranks) > 1:  # a one-rank group has nothing to exchange: its steps are skipped
+                self._group(ranks)
+        return two_level_routes(self.cfg.allreduce, self.rank, self.world_size, rows)
+
+    def _check_same_model(self, model) -> None:
+        """--init-from-seed: every rank built its own model; compare float64 per-tensor sums and sums
+        of squares with rank 0's (a few numbers per tensor instead of a broadcast of the model).
+        Exact equality: the same seed and code give bit-identical tensors and the same sums."""
+        tensors = [t.detach() for t in model.state_dict().values()]
+        mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors]).cpu()
+        if self.any(not torch.equal(mine, self.broadcast_object(mine))):
+            from train.startup import agreed_error  # lazily: train.startup imports this module
+            raise agreed_error(UsageError(
+                "--init-from-seed: the ranks built different initial models from --seed (another torch "
+                "version or code on some rank?); drop --init-from-seed to start from rank 0's model"))
 
 
 class TorchDistributed(_Topology):
@@ -168,40 +233,36 @@ class TorchDistributed(_Topology):
         hostnames = [None] * self.world_size
         dist.all_gather_object(hostnames, socket.gethostname(), group=self.control)
         self._layout(cfg, hostnames)
-        # every rank creates every group, in the same order (a torch.distributed rule)
-        self.intra = self.inter = None
-        for node in range(self.nodes):
-            group = dist.new_group(list(range(node * self.local_size, (node + 1) * self.local_size)))
-            if node == self.node:
-                self.intra = group
-        for local in range(self.local_size):
-            group = dist.new_group(list(range(local, self.world_size, self.local_size)))
-            if local == self.local_rank:
-                self.inter = group
+        self._groups = {}
 
-    def sync_batchnorm(self, model, span: int):
-        if span == 1:
-            return model
+    def _group(self, ranks):
+        """The process group of these ranks, created on first use. Every rank must ask for every group
+        in the same order (a torch.distributed rule): callers walk whole lists of groups."""
+        key = tuple(ranks)
+        if key not in self._groups:
+            self._groups[key] = self.dist.new_group(list(key))
+        return self._groups[key]
+
+    @staticmethod
+    def _differentiable_sum(group):
         import torch.distributed._functional_collectives as functional  # differentiable: backward sums too
-        mine = None
-        for ranks in self._bn_groups(span):
-            group = self.dist.new_group(ranks)
-            if self.rank in ranks:
-                mine = group
-        return convert_batchnorm(model, lambda t: functional.all_reduce(t, "sum", mine), span)
+        return lambda t: functional.all_reduce(t, "sum", group)
 
     def wrap(self, model, optimizer):
         from torch.nn.parallel import DistributedDataParallel
-        # DDP broadcasts rank 0's parameters and buffers at construction
+        options = inspect.signature(DistributedDataParallel).parameters
         # no per-step broadcast of BN buffers: each rank keeps its own running statistics, as the
-        # single-process run would (DDP still copies rank 0's parameters and buffers at construction)
-        no_buffer_sync = ({"forward_sync_buffers": False}
-                          if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
-                          else {"broadcast_buffers": False})
+        # single-process run would (DDP still copies rank 0's parameters and buffers at construction,
+        # unless --init-from-seed, where the ranks' own models are checked to agree instead)
+        kwargs = {"forward_sync_buffers": False} if "forward_sync_buffers" in options else {"broadcast_buffers": False}
+        if self.cfg.init_from_seed:
+            self._check_same_model(model)
+            if "init_sync" in options:
+                kwargs["init_sync"] = False
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True, **no_buffer_sync)
-        if self.cfg.allreduce == "hierarchical":
-            ddp.register_comm_hook(None, self._hierarchical_hook)
+                                      gradient_as_bucket_view=True, **kwargs)
+        if self.cfg.allreduce != "flat":
+            ddp.register_comm_hook(self._two_level_routes(), self._two_level_hook)
         elif self.cfg.fp16_allreduce:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -217,20 +278,34 @@ class TorchDistributed(_Topology):
     def unwrap(self, model):
         return model.module
 
-    def _hierarchical_hook(self, _state, bucket):
-        """Two-level all-reduce of one gradient bucket: reduce-scatter inside the node, all-reduce of
-        each shard among the ranks holding the same shard on other nodes, all-gather inside the node."""
+    def _two_level_hook(self, routes, bucket):
+        """Two-level all-reduce of one gradient bucket, as a DDP comm hook (state: two_level_routes).
+        The bucket is cut into one part per route (torus: two halves), each padded to a multiple of
+        its scatter group; each step (reduce-scatter, all-reduce of the shard, all-gather) is issued
+        for every part before any is awaited, so the torus's two directions are in flight together.
+        It waits inside, so backward pauses while a bucket travels (the same as the hierarchical hook
+        did; overlapping it with backward is left to later work)."""
         flat = bucket.buffer()
         wire = flat.to(torch.float16) if self.cfg.fp16_allreduce else flat
-        padded = torch.nn.functional.pad(wire, (0, (-wire.numel()) % self.local_size))
-        shard = torch.empty(padded.numel() // self.local_size, dtype=padded.dtype, device=padded.device)
+        parts = wire.tensor_split(len(routes))
+        padded = [torch.nn.functional.pad(part, (0, (-part.numel()) % len(scatter)))
+                  for part, (scatter, _) in zip(parts, routes)]
+        shards = [whole if len(scatter) == 1 else whole.new_empty(whole.numel() // len(scatter))
+                  for whole, (scatter, _) in zip(padded, routes)]
         reduce_scatter = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
         all_gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
-        reduce_scatter(shard, padded, group=self.intra)
-        if self.nodes > 1:
-            self.dist.all_reduce(shard, group=self.inter)
-        all_gather(padded, shard, group=self.intra)
-        flat.copy_(padded[:flat.numel()]).div_(self.world_size)
+
+        def together(issue, which: int) -> None:
+            """One step for every part over its route's group `which` (0: scatter, 1: reduce), all
+            issued before the first wait; one-rank groups have nothing to exchange."""
+            works = [issue(whole, shard, self._groups[route[which]])
+                     for whole, shard, route in zip(padded, shards, routes) if len(route[which]) > 1]
+            for work in works:
+                work.wait()
+        together(lambda whole, shard, group: reduce_scatter(shard, whole, group=group, async_op=True), 0)
+        together(lambda whole, shard, group: self.dist.all_reduce(shard, group=group, async_op=True), 1)
+        together(lambda whole, shard, group: all_gather(whole, shard, group=group, async_op=True), 0)
+        flat.copy_(torch.cat([whole[:part.numel()] for whole, part in zip(padded, parts)])).div_(self.world_size)
         future = torch.futures.Future()
         future.set_result(flat)
         return future
@@ -281,33 +356,32 @@ class Horovod(_Topology):
         self.device = _device(hvd.local_rank())
         hostnames = hvd.allgather_object(socket.gethostname())
         self._layout(cfg, hostnames)
-        self._process_sets = {}
+        self._groups = {}
 
-    def _process_set(self, ranks: list[int]):
-        """Process sets are added collectively by every rank, once each."""
+    def _group(self, ranks):
+        """The process set of these ranks. Process sets are added collectively by every rank, once each."""
         key = tuple(ranks)
         if len(key) == self.world_size:
             return self.hvd.global_process_set
-        if key not in self._process_sets:
-            self._process_sets[key] = self.hvd.add_process_set(list(ranks))
-        return self._process_sets[key]
+        if key not in self._groups:
+            self._groups[key] = self.hvd.add_process_set(list(key))
+        return self._groups[key]
 
-    def sync_batchnorm(self, model, span: int):
-        if span == 1:
-            return model
-        groups = [self._process_set(ranks) for ranks in self._bn_groups(span)]
-        mine = groups[self.rank // span]
-        hvd = self.hvd
-        return convert_batchnorm(model, lambda t: hvd.allreduce(t, op=hvd.Sum, process_set=mine), span)
+    def _differentiable_sum(self, process_set):
+        hvd = self.hvd  # hvd.allreduce is autograd-aware: backward sums the gradients too
+        return lambda t: hvd.allreduce(t, op=hvd.Sum, process_set=process_set)
 
     def wrap(self, model, optimizer):
         hvd = self.hvd
-        self._broadcast_tensors(model.state_dict())
+        if self.cfg.init_from_seed:
+            self._check_same_model(model)  # instead of broadcasting rank 0's model
+        else:
+            self._broadcast_tensors(model.state_dict())
         # as an object: hvd.broadcast_optimizer_state would take a zero-gradient step, and LARS's
         # weight decay would then move the weights
         optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
-        if self.cfg.allreduce == "hierarchical":
-            return model, HierarchicalHorovodOptimizer(optimizer, self)
+        if self.cfg.allreduce != "flat":
+            return model, TwoLevelHorovodOptimizer(optimizer, self, self._two_level_routes())
         compression = _contiguous(hvd.Compression.fp16 if self.cfg.fp16_allreduce else hvd.Compression.none)
         return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                compression=compression, op=hvd.Average)
@@ -372,23 +446,22 @@ def _contiguous(compression):
     return Contiguous
 
 
-_HIERARCHICAL_CHUNK = 1 << 22  # elements per two-level all-reduce message
+_TWO_LEVEL_CHUNK = 1 << 22  # elements per two-level message
 
 
-class HierarchicalHorovodOptimizer:
-    """Wraps an optimizer: before step(), gradients are averaged in two levels over process sets:
-    summed inside the node, each local rank's shard all-reduced across nodes among the ranks with
-    the same local rank (inter-node traffic 1/ranks-per-node of the gradients), shards all-gathered
-    inside the node. The node sum is an all-reduce, not Horovod's reducescatter: on gloo with
-    process sets, 0.28.1's reducescatter returned wrong shards now and then (tests caught it).
+class TwoLevelHorovodOptimizer:
+    """Wraps an optimizer: before step(), gradients are averaged over Horovod process sets along
+    `routes` (two_level_routes): hierarchical sums inside the node, all-reduces each local rank's
+    shard across nodes among the ranks with the same local rank (inter-node traffic 1/ranks-per-node
+    of the gradients) and all-gathers the shards inside the node; torus does the same over the lines
+    and columns of its grid, the first half of every chunk rows-first and the second half
+    columns-first, both in flight at once (async).
+    The first sum is an all-reduce, not Horovod's reducescatter: on gloo with process sets, 0.28.1's
+    reducescatter returned wrong shards now and then (tests caught it).
     Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE needs MPI + NCCL; this works on gloo too."""
 
-    def __init__(self, optimizer, engine: Horovod):
-        self.optimizer, self.engine = optimizer, engine
-        hvd, e = engine.hvd, engine
-        intra = [e._process_set(list(range(n * e.local_size, (n + 1) * e.local_size))) for n in range(e.nodes)]
-        inter = [e._process_set(list(range(r, e.world_size, e.local_size))) for r in range(e.local_size)]
-        self.intra, self.inter, self.hvd = intra[e.node], inter[e.local_rank], hvd
+    def __init__(self, optimizer, engine: Horovod, routes: list[tuple[tuple, tuple]]):
+        self.optimizer, self.engine, self.routes, self.hvd = optimizer, engine, routes, engine.hvd
         self._skip_synchronize = False
 
     def __getattr__(self, name):  # param_groups, state, state_dict(), zero_grad(), ...
@@ -408,22 +481,41 @@ class HierarchicalHorovodOptimizer:
         finally:
             self._skip_synchronize = False
 
+    def _together(self, step: str, names: list[str], tensors: list[torch.Tensor], sets: list[tuple]) -> list:
+        """One step for every part (its name, tensor, and the ranks of its process set), all issued
+        before the first wait. A one-rank set has nothing to exchange. Names carry the set's id:
+        Horovod matches operations across sets by name."""
+        hvd, pending = self.hvd, []
+        for name, tensor, ranks in zip(names, tensors, sets):
+            if len(ranks) == 1:
+                pending.append(tensor)
+                continue
+            group = self.engine._group(ranks)  # created by _two_level_routes on every rank
+            tag = f"twolevel.{step}.ps{group.process_set_id}.{name}"
+            pending.append(hvd.allgather_async(tensor, process_set=group, name=tag) if step == "gather" else
+                           hvd.allreduce_async(tensor, op=hvd.Sum, process_set=group, name=tag))
+        return [p if isinstance(p, torch.Tensor) else hvd.synchronize(p) for p in pending]
+
     def synchronize(self) -> None:
         """Average the gradients over all ranks, in place."""
-        e, hvd = self.engine, self.hvd
+        e = self.engine
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         flat = torch.cat([g.reshape(-1) for g in grads])
         wire = flat.to(torch.float16) if e.cfg.fp16_allreduce else flat
-        pieces = []
-        for i, chunk in enumerate(wire.split(_HIERARCHICAL_CHUNK)):  # bounded messages
-            padded = torch.nn.functional.pad(chunk, (0, (-chunk.numel()) % e.local_size))
-            # names unique per process set: Horovod matches operations across sets by name
-            node_sum = hvd.allreduce(padded, op=hvd.Sum, process_set=self.intra, name=f"hier.sum.n{e.node}.{i}")
-            shard = node_sum.view(e.local_size, -1)[e.local_rank].clone()
-            if e.nodes > 1:
-                shard = hvd.allreduce(shard, op=hvd.Sum, process_set=self.inter, name=f"hier.ar.l{e.local_rank}.{i}")
-            pieces.append(hvd.allgather(shard, process_set=self.intra, name=f"hier.ag.n{e.node}.{i}")[:chunk.numel()])
-        whole = torch.cat(pieces).to(flat.dtype).div_(e.world_size)
+        names, parts, scatter, reduce = [], [], [], []
+        for i, chunk in enumerate(wire.split(_TWO_LEVEL_CHUNK)):  # bounded messages, one part per route each
+            for j, part in enumerate(chunk.tensor_split(len(self.routes))):
+                names.append(f"{i}.{j}")
+                parts.append(part)
+                scatter.append(self.routes[j][0])
+                reduce.append(self.routes[j][1])
+        padded = [torch.nn.functional.pad(part, (0, (-part.numel()) % len(ranks))) for part, ranks in zip(parts, scatter)]
+        sums = self._together("sum", names, padded, scatter)
+        shards = [t.view(len(ranks), -1)[ranks.index(e.rank)].clone() for t, ranks in zip(sums, scatter)]
+        shards = self._together("reduce", names, shards, reduce)
+        gathered = self._together("gather", names, shards, scatter)
+        whole = torch.cat([t[:part.numel()] for t, part in zip(gathered, parts)]).to(flat.dtype)
+        whole.div_(e.world_size)
         offset = 0
         for g in grads:
             g.copy_(whole[offset:offset + g.numel()].view_as(g))

@@ -24,7 +24,8 @@ from train.config import PREEMPTED_MARKER, Config, UsageError, to_dict
 from train.optim import build_optimizer
 from train.precision import Precision
 from train.runlog import RunLog, progress
-from train.schedule import EvalPlan, build_schedule
+from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
+from train.schedule import EpochClock, EvalPlan, batch_changes, build_schedule
 from train.startup import (RunFinished, agreed, agreed_error, checked_setup, create_engine, make_out_dir,
                            resolve_data_dir)
 
@@ -92,15 +93,18 @@ class Training:
             torch.set_float32_matmul_precision("high")
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last).to(device)
-        model = engine.sync_batchnorm(model, cfg.bn_span)
+        model = engine.sync_batchnorm(model, cfg.bn_span, ghost_group(cfg))
         optimizer = build_optimizer(cfg, model)
-        self.schedule = build_schedule(cfg, loader.steps_per_epoch)
+        self.clock = EpochClock(loader.train_images, cfg.global_batch_size, batch_changes(cfg.batch_schedule), cfg.epochs)
+        self.schedule = build_schedule(cfg, self.clock)
+        self.recent = RecentBatches(cfg.bn_recompute_batches)
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
         if cfg.resume:
             self._resume(model, optimizer)
         self.model, self.optimizer = engine.wrap(model, optimizer)
         self.lr = self.schedule.lr(max(self.state.step, 1))
+        self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
 
     def _resume(self, model, optimizer) -> None:
         saved = checkpoint.load(self.out_dir / "checkpoint.pt", self.engine.device)
@@ -119,7 +123,7 @@ class Training:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
         header = (f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
                   f"{loader.train_images} train / {loader.val_images} val images | {engine.world_size} rank(s) x batch "
-                  f"{cfg.batch_size} = global batch {cfg.global_batch_size} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
+                  f"{cfg.batch_size} = global batch {cfg.global_batch_size}{f' (after E epochs E:B: {cfg.batch_schedule})' if cfg.batch_schedule else ''} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
                   f"{cfg.warmup_epochs:g} epochs{f' ({note})' if note else ''} | {self.precision.name} on "
                   f"{device.type} | {self.out_dir}")
         self.log.setup(init_start_ms, header, platform=f"{engine.world_size}x{device_name}",
@@ -128,8 +132,8 @@ class Training:
         if loader.empty_classes:
             self.log.warning(f"{len(loader.empty_classes)} class folder(s) hold no training images: "
                              f"{', '.join(loader.empty_classes[:5])}", kind="data", empty_classes=loader.empty_classes)
-        steps_per_epoch = loader.steps_per_epoch
-        self.log.run_start({"step": s.step, "epoch": s.epoch + s.step_in_epoch / steps_per_epoch} if cfg.resume else None)
+        resumed_at = {"step": s.step, "epoch": s.epoch + s.step_in_epoch / self.clock.steps_in(s.epoch)}
+        self.log.run_start(resumed_at if cfg.resume else None)
         self.started = time.time()
         s.stop = s.step >= cfg.max_steps > 0
 
@@ -138,6 +142,7 @@ class Training:
         """The epoch's remaining steps; a logging window every --log-every steps; at the ranks'
         agreement points, a stop signal on any rank checkpoints and stops the run."""
         cfg, engine, s = self.cfg, self.engine, self.state
+        self._follow_batch_schedule()
         self.log.epoch_start(s.epoch + 1, fresh=s.step_in_epoch == 0)
         self.model.train()
         window, self.epoch_meter = LossMeter(engine.device), LossMeter(engine.device)
@@ -145,6 +150,7 @@ class Training:
                            self.loader.steps_per_epoch - s.step_in_epoch, engine.rank == 0, f"epoch {s.epoch + 1}")
         for images, labels in batches:
             loss = self.train_step(images, labels)
+            self.recent.add(images)
             window.add(loss)
             self.epoch_meter.add(loss)
             if s.step % cfg.log_every == 0:
@@ -155,6 +161,18 @@ class Training:
                 return
             if (engine.world_size == 1 or s.step % cfg.stop_check_every == 0) and engine.any(stop_signal.raised):
                 self._preempt()
+
+    def _follow_batch_schedule(self) -> None:
+        """Batch-size control: the epoch's global batch from the schedule; the loader's per-rank batch
+        (and so its steps per epoch) follows, and a change is logged."""
+        s = self.state
+        global_batch = self.schedule.global_batch(s.epoch)
+        per_rank = global_batch // self.engine.world_size
+        if per_rank != self.loader_batch:  # (a resumed run in a later phase changes without a log line)
+            self.loader.set_batch_size(per_rank)
+            self.loader_batch = per_rank
+        if s.step_in_epoch == 0 and s.epoch > 0 and global_batch != self.schedule.global_batch(s.epoch - 1):
+            self.log.batch_change(s.epoch + 1, s.step, global_batch, per_rank)
 
     def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """One optimizer step. Returns the loss on the device, 0 when it was not finite (a non-finite
@@ -187,8 +205,8 @@ class Training:
         figures = None
         if self.epoch_meter.steps:  # (none when a run resumes right after an epoch's last step)
             figures = dict(step=s.step, epoch=s.epoch + s.step_in_epoch / steps_per_epoch,
-                           images=s.step * cfg.global_batch_size, epoch_seconds=round(seconds, 3),
-                           img_per_s=round(self.epoch_meter.steps * cfg.global_batch_size / seconds, 2),
+                           images=self.clock.images(s.step), epoch_seconds=round(seconds, 3),
+                           img_per_s=round(self._images_of(self.epoch_meter) / seconds, 2),
                            loss=mean_loss, lr=self.lr, skipped_images=skipped)
         self.log.epoch_end(number, finished, figures)
         last = s.epoch >= cfg.epochs
@@ -198,7 +216,10 @@ class Training:
             self.save("target" if s.reached_target else "epochs" if last else None)
 
     def evaluate(self, epoch: int) -> None:
-        share_bn_statistics(self.model, self.engine, self.cfg.bn_span)
+        if self.cfg.bn_recompute_batches:  # BN without moving averages: the last K batches' statistics
+            recompute_bn_statistics(self.engine.unwrap(self.model), self.recent.batches, self.engine, self.precision)
+        else:
+            share_bn_statistics(self.model, self.engine, self.cfg.bn_span)
         with self.log.evaluation(epoch, self.state.step) as record:
             top1, top5, images = evaluate(self.model, self.loader, self.precision, self.engine)
             record(top1=top1, top5=top5, eval_images=images, skipped_images=self._skipped("validation"))
@@ -247,7 +268,7 @@ class Training:
 
     def finish(self) -> dict:
         s, cfg = self.state, self.cfg
-        seconds, images = time.time() - self.started, s.step * cfg.global_batch_size
+        seconds, images = time.time() - self.started, self.clock.images(s.step)
         top1 = None if s.top1 is None else round(s.top1, 4)
         self.log.stop(K.SUCCESS if (s.reached_target or not cfg.target_accuracy) else K.ABORTED,
                       f"done: {s.step} steps, {images} images in {seconds:.1f} s; top-1 {top1}; "
@@ -258,12 +279,16 @@ class Training:
 
     # checks at logging points --------------------------------------------------------------------
     def _log_window(self, window: "LossMeter") -> None:
-        s, global_batch = self.state, self.cfg.global_batch_size
+        s = self.state
         mean_loss, seconds = window.mean(self.engine), window.seconds()  # host sync, then the clock
         self._check_finite()
         self.log.train_window(step=s.step, epoch=s.epoch + s.step_in_epoch / self.loader.steps_per_epoch,
-                              images=s.step * global_batch, img_per_s=round(window.steps * global_batch / seconds, 2),
+                              images=self.clock.images(s.step), img_per_s=round(self._images_of(window) / seconds, 2),
                               loss=mean_loss, lr=self.lr, **self.precision.log_fields())
+
+    def _images_of(self, meter: "LossMeter") -> int:
+        """Images of a meter's steps (the last meter.steps steps), over all ranks."""
+        return self.clock.images(self.state.step) - self.clock.images(self.state.step - meter.steps)
 
     def _check_finite(self) -> None:
         """Every rank stops once any rank's streak of non-finite losses reaches the limit."""
@@ -320,19 +345,12 @@ class LossMeter:
         return max(time.time() - self.start, 1e-9)
 
 
-def share_bn_statistics(model, engine, bn_span: int) -> None:
-    """BatchNorm running statistics averaged over all ranks. Ranks whose BN groups are smaller than
-    the world see different images and so keep different running statistics; averaging them before
-    every evaluation and checkpoint makes the evaluated model and the saved model one and the same
-    (the model every rank holds). Training never reads them, so steps are unchanged."""
-    if engine.world_size == 1 or bn_span == engine.world_size:
-        return
-    buffers = [b for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._NormBase)
-               for b in (m.running_mean, m.running_var) if b is not None]
-    if not buffers:
-        return
-    mean = engine.all_reduce_sum(torch.cat([b.reshape(-1) for b in buffers])) / engine.world_size
-    torch._foreach_copy_(buffers, [piece.view_as(b) for piece, b in zip(mean.split([b.numel() for b in buffers]), buffers)])
+def ghost_group(cfg: Config) -> int:
+    """--bn-group-size when it splits some phase's per-rank batch into groups, else 0: BN over the
+    whole per-rank batch is then plain BatchNorm, bit for bit."""
+    per_rank = max(batch for _, batch in [(0, cfg.global_batch_size), *batch_changes(cfg.batch_schedule)])
+    per_rank //= max(cfg.global_batch_size // cfg.batch_size, 1)  # the rank count
+    return cfg.bn_group_size if 0 < cfg.bn_group_size < per_rank else 0
 
 
 def replicas_differing(model, engine) -> int:

@@ -6,7 +6,7 @@ Without a preset the trainer picks the peak LR and the warmup from the global ba
   log2(batch) between its points and held at its ends.
 - LARS, global batch < 1632: a power law through the table's smallest point (1632: LR 7.4) and the
   tested `smoke` recipe (64: LR 4.0), LR = 4.0 x (batch / 64) ** 0.19; warmup 2 epochs (both points').
-- SGD: the linear scaling rule, LR = 0.1 x batch / 256, warmup 5 epochs above batch 256, none below.
+- SGD and RMSprop warm-up: the linear scaling rule, LR = 0.1 x batch / 256, warmup 5 epochs above batch 256, none below.
 A chosen warmup never takes more than 40% of the run; a warmup given that is not shorter than the
 run is cut to 40% as well, and the header line says so.
 """
@@ -20,6 +20,7 @@ WARMUP_SHARE_LIMIT = 0.4
 # MLPerf ResNet-50 reference convergence points: global batch -> (peak LR, warmup epochs)
 MLPERF_LARS_POINTS = {1632: (7.4, 2), 3264: (10.5, 2), 4096: (10.0, 5), 8192: (17.0, 5), 13056: (12.8, 9),
                       32768: (21.2, 16), 49152: (19.405, 24), 65536: (24.699, 31)}
+LINEAR_SCALING = ("sgd", "rmsprop-warmup")  # optimizers whose LR follows 0.1 x batch / 256
 SMOKE_POINT = (64, 4.0, 2)  # the tested small-batch LARS recipe: batch, peak LR, warmup epochs
 
 
@@ -53,7 +54,7 @@ def _interpolate(points: dict, batch: int, column: int) -> float:
 
 def rule_lr_and_warmup(optimizer: str, global_batch: int) -> tuple[float, float]:
     """The peak LR and warmup epochs the rules above give for a global batch."""
-    if optimizer == "sgd":
+    if optimizer in LINEAR_SCALING:
         return 0.1 * global_batch / 256, (5.0 if global_batch > 256 else 0.0)
     smallest = min(MLPERF_LARS_POINTS)
     if global_batch >= smallest:

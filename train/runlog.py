@@ -49,7 +49,7 @@ class RunLog:
             (K.SUBMISSION_PLATFORM, cfg.submission_platform or platform), (K.CACHE_CLEAR, True), (K.SEED, cfg.seed),
             (K.GLOBAL_BATCH_SIZE, cfg.global_batch_size), (K.GRADIENT_ACCUMULATION_STEPS, 1),
             (K.TRAIN_SAMPLES, train_images), (K.EVAL_SAMPLES, val_images),
-            (K.MODEL_BN_SPAN, cfg.batch_size * cfg.bn_span), (K.OPT_NAME, cfg.optimizer),
+            (K.MODEL_BN_SPAN, min(cfg.bn_group_size or cfg.batch_size, cfg.batch_size) * cfg.bn_span), (K.OPT_NAME, cfg.optimizer),
             *_optimizer_keys(cfg, schedule), ("label_smoothing", cfg.label_smoothing), ("precision", precision),
         ]:
             self._event(key, value)
@@ -109,6 +109,13 @@ class RunLog:
                      skipped_images=figures["skipped_images"])
         self.print(f"eval  {epoch:3d}/{self.cfg.epochs}  top-1 {figures['top1']:.4f}  top-5 {figures['top5']:.4f}  "
                    f"({figures['eval_images']} images, {seconds:.1f} s)")
+
+    def batch_change(self, epoch: int, step: int, global_batch: int, per_rank: int) -> None:
+        """Batch-size control: the global batch from this epoch on (the first epoch's is the setup's
+        global_batch_size)."""
+        self._event(K.GLOBAL_BATCH_SIZE, global_batch, epoch_num=epoch)
+        self.metrics(kind="batch", step=step, epoch=epoch, global_batch=global_batch, batch_size=per_rank)
+        self.print(f"epoch {epoch}: global batch {global_batch} ({per_rank} per rank)")
 
     def replicas(self, step: int, ranks: int, differing: int) -> None:
         self.metrics(kind="replicas", step=step, ranks=ranks, differing_from_rank0=differing)

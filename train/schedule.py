@@ -1,11 +1,18 @@
 """What changes during a run, in one place the loop asks at every step and epoch.
 
 A schedule answers `step_settings(k)`: the optimizer settings of the k-th optimizer step (the
-learning rate today; an optimizer's mode, such as an RMSprop-to-SGD share, is one more key), and
-`augment(epoch)`: whether training augmentation is on in that epoch (0-based). Schedules are
-registered by name (`--lr-schedule`); a new recipe mechanism is a new class here, not a branch in
-the loop.
+learning rate; for a blended optimizer also its momentum-SGD share), `global_batch(epoch)`: the
+global batch of an epoch (batch-size control), and `augment(epoch)`: whether training augmentation
+is on in that epoch (both 0-based). Schedules are registered by name (`--lr-schedule`); a new
+recipe mechanism is a new class here, not a branch in the loop.
+
+Every schedule warms up linearly per step from --warmup-start-lr to the peak over the warmup, then
+follows its own shape. Under batch-size control (--batch-schedule) the steps per epoch change with
+the global batch (EpochClock), and the peak LR of a later batch phase is the first one scaled by
+the LR rule's ratio for the two batches (docs/learning_rate.md).
 """
+import math
+from bisect import bisect_left
 
 SCHEDULES = {}  # --lr-schedule NAME -> class built by build_schedule
 
@@ -17,29 +24,154 @@ def register(name: str):
     return add
 
 
+def parse_pairs(text: str, flag: str, kinds=(int, int)) -> list[tuple]:
+    """'A:B,C:D' as [(A, B), (C, D)]; a ValueError naming the flag when it is not that."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        try:
+            first, second = item.split(":")
+            pairs.append((kinds[0](first), kinds[1](second)))
+        except ValueError:
+            raise ValueError(f"{flag} {text!r}: {item!r} is not NUMBER:NUMBER; write e.g. '30:69632'") from None
+    return pairs
+
+
+def batch_changes(text: str) -> list[tuple[int, int]]:
+    """--batch-schedule 'E:B,...': (epochs done, global batch from then on), epochs increasing."""
+    changes = parse_pairs(text, "--batch-schedule")
+    epochs = [e for e, _ in changes]
+    if any(e <= 0 for e in epochs) or epochs != sorted(set(epochs)) or any(b <= 0 for _, b in changes):
+        raise ValueError(f"--batch-schedule {text!r}: epochs must be positive and increasing, batches positive")
+    return changes
+
+
+class EpochClock:
+    """Optimizer steps of each epoch when the global batch may change between epochs: an epoch of
+    N images at global batch B has N // B steps (a last partial batch is dropped)."""
+
+    def __init__(self, train_images: int, global_batch: int, changes=(), epochs: int = 1):
+        self.train_images, self.epochs = train_images, epochs
+        self.phases = [(0, global_batch), *changes]  # (epochs done, global batch from then on)
+        self.first = [0]  # first[e]: optimizer steps before epoch e
+        for epoch in range(epochs):
+            self.first.append(self.first[-1] + self.steps_in(epoch))
+
+    def global_batch(self, epoch: int) -> int:
+        return [batch for done, batch in self.phases if epoch >= done][-1]
+
+    def steps_in(self, epoch: int) -> int:
+        return self.train_images // self.global_batch(epoch)
+
+    @property
+    def total_steps(self) -> int:
+        return self.first[-1]
+
+    def first_step(self, epoch: int) -> int:
+        return self.first[min(epoch, self.epochs)]
+
+    def steps_until(self, epochs: float) -> int:
+        """Steps in the first `epochs` (fractional) epochs."""
+        whole = min(int(epochs), self.epochs)
+        if whole == self.epochs:
+            return self.total_steps
+        return self.first[whole] + round((epochs - whole) * self.steps_in(whole))
+
+    def epoch_of(self, step: int) -> int:
+        """The 0-based epoch of the step-th optimizer step (1-based)."""
+        return min(max(bisect_left(self.first, step) - 1, 0), self.epochs - 1)
+
+    def progress(self, steps_done: int) -> float:
+        """Epochs done (fractional) after `steps_done` steps."""
+        epoch = self.epoch_of(steps_done + 1)
+        return epoch + (steps_done - self.first[epoch]) / max(self.steps_in(epoch), 1)
+
+    def images(self, steps_done: int) -> int:
+        """Training images of the first `steps_done` steps, over all ranks."""
+        epoch = self.epoch_of(max(steps_done, 1))
+        before = sum(self.steps_in(e) * self.global_batch(e) for e in range(epoch))
+        return before + (steps_done - self.first[epoch]) * self.global_batch(epoch)
+
+
+class SgdShareRamp:
+    """The momentum-SGD share of a blended update (--optimizer rmsprop-warmup) against epochs done:
+    0 before center - width/2, 1 after center + width/2, a half-cosine between. Akiba et al. describe
+    an ELU-like rise centred near epoch 10 over about 5 epochs (a secondary source); the exact curve
+    is not published, this one is ours."""
+
+    def __init__(self, center: float, width: float):
+        self.center, self.width = center, width
+
+    def __call__(self, epochs_done: float) -> float:
+        if self.width <= 0:
+            return float(epochs_done >= self.center)
+        t = min(max((epochs_done - self.center + self.width / 2) / self.width, 0.0), 1.0)
+        return 0.5 - 0.5 * math.cos(math.pi * t)
+
+
 class Schedule:
-    """Defaults: the LR of lr(k) and nothing else changes."""
+    """Warmup from `start_lr` to the peak over `warmup_steps` steps, then `decayed(step, peak)`."""
+    start_lr = 0.0
+    augment_off_epoch = 0  # from this epoch on (1-based), no augmentation; 0: never
+    share = None  # SgdShareRamp of a blended optimizer
+    clock = None
+
+    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int):
+        if total_steps <= 0:
+            raise ValueError("total_steps must be positive")
+        self.base_lr, self.total_steps = base_lr, total_steps
+        self.warmup_steps = min(max(warmup_steps, 0), total_steps)
+        self.phase_peaks = []  # (last step before a later batch phase, that phase's peak LR)
+
+    @classmethod
+    def from_settings(cls, cfg, clock: EpochClock) -> "Schedule":
+        schedule = cls.build(cfg, clock)
+        schedule.clock, schedule.start_lr, schedule.augment_off_epoch = clock, cfg.warmup_start_lr, cfg.augment_off_epoch
+        if cfg.optimizer == "rmsprop-warmup":
+            schedule.share = SgdShareRamp(cfg.sgd_share_center, cfg.sgd_share_width)
+        if len(clock.phases) > 1:
+            from train.rules import rule_lr_and_warmup
+            first = rule_lr_and_warmup(cfg.optimizer, clock.phases[0][1])[0]
+            schedule.phase_peaks = [(clock.first_step(done), cfg.lr * rule_lr_and_warmup(cfg.optimizer, batch)[0] / first)
+                                    for done, batch in clock.phases[1:]]
+        return schedule
+
+    @classmethod
+    def build(cls, cfg, clock: EpochClock) -> "Schedule":
+        raise NotImplementedError
+
+    def peak(self, step: int) -> float:
+        return ([self.base_lr] + [lr for last, lr in self.phase_peaks if step > last])[-1]
 
     def lr(self, step: int) -> float:
+        peak = self.peak(step)
+        if step <= self.warmup_steps:
+            return self.start_lr + (peak - self.start_lr) * step / self.warmup_steps
+        return self.decayed(step, peak)
+
+    __call__ = lr
+
+    def decayed(self, step: int, peak: float) -> float:
         raise NotImplementedError
 
     def step_settings(self, step: int) -> dict:
-        return {"lr": self.lr(step)}
+        settings = {"lr": self.lr(step)}
+        if self.share is not None:
+            settings["sgd_share"] = self.share(self.clock.progress(step - 1))
+        return settings
+
+    def global_batch(self, epoch: int) -> int:
+        return self.clock.global_batch(epoch)
 
     def augment(self, epoch: int) -> bool:
-        return True
+        return not (self.augment_off_epoch and epoch + 1 >= self.augment_off_epoch)
 
     def mllog_settings(self) -> dict:
         """The schedule's own MLLOG keys, without the optimizer's prefix (lars_opt_, sgd_opt_)."""
         return {}
 
-    @classmethod
-    def from_settings(cls, cfg, steps_per_epoch: int) -> "Schedule":
-        raise NotImplementedError
 
-
-def build_schedule(cfg, steps_per_epoch: int) -> Schedule:
-    return SCHEDULES[cfg.lr_schedule].from_settings(cfg, steps_per_epoch)
+def build_schedule(cfg, clock: EpochClock) -> Schedule:
+    return SCHEDULES[cfg.lr_schedule].from_settings(cfg, clock)
 
 
 @register("warmup-poly")
@@ -53,16 +185,12 @@ class WarmupPolySchedule(Schedule):
 
     def __init__(self, base_lr: float, warmup_steps: int, total_steps: int,
                  end_lr: float = 1e-4, power: float = 2.0):
-        if total_steps <= 0:
-            raise ValueError("total_steps must be positive")
-        self.base_lr, self.end_lr, self.power = base_lr, end_lr, power
-        self.warmup_steps = min(max(warmup_steps, 0), total_steps)
-        self.total_steps = total_steps
+        super().__init__(base_lr, warmup_steps, total_steps)
+        self.end_lr, self.power = end_lr, power
 
     @classmethod
-    def from_settings(cls, cfg, steps_per_epoch: int) -> "WarmupPolySchedule":
-        return cls(cfg.lr, round(cfg.warmup_epochs * steps_per_epoch), cfg.epochs * steps_per_epoch,
-                   cfg.end_lr, cfg.lr_decay_power)
+    def build(cls, cfg, clock):
+        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps, cfg.end_lr, cfg.lr_decay_power)
 
     def mllog_settings(self) -> dict:
         return {"end_learning_rate": self.end_lr, "learning_rate_decay_poly_power": self.power,
@@ -72,13 +200,66 @@ class WarmupPolySchedule(Schedule):
     def decay_steps(self) -> int:
         return self.total_steps - self.warmup_steps
 
-    def lr(self, step: int) -> float:
-        if step <= self.warmup_steps:
-            return self.base_lr * step / self.warmup_steps
+    def decayed(self, step: int, peak: float) -> float:
         done = min(step - self.warmup_steps, self.decay_steps) / self.decay_steps
-        return self.end_lr + (self.base_lr - self.end_lr) * (1.0 - done) ** self.power
+        return self.end_lr + (peak - self.end_lr) * (1.0 - done) ** self.power
 
-    __call__ = lr
+
+@register("multistep")
+class MultiStepSchedule(Schedule):
+    """Goyal et al.'s step decay: the peak times factor ** (milestones passed); a milestone is the
+    last step of an epoch listed in --lr-decay-epochs."""
+
+    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int, milestones: list[int], factor: float):
+        super().__init__(base_lr, warmup_steps, total_steps)
+        self.milestones, self.factor = milestones, factor
+
+    @classmethod
+    def build(cls, cfg, clock):
+        epochs = decay_epochs(cfg.lr_decay_epochs)
+        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps,
+                   [clock.first_step(e) for e in epochs], cfg.lr_decay_factor)
+
+    def decayed(self, step: int, peak: float) -> float:
+        return peak * self.factor ** sum(step > last for last in self.milestones)
+
+
+def decay_epochs(text: str) -> list[int]:
+    try:
+        epochs = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise ValueError(f"--lr-decay-epochs {text!r} is not a list of epochs like '30,60,80'") from None
+    if epochs != sorted(set(epochs)) or any(e <= 0 for e in epochs):
+        raise ValueError(f"--lr-decay-epochs {text!r}: epochs must be positive and increasing")
+    return epochs
+
+
+@register("phases")
+class PhasesSchedule(Schedule):
+    """Akiba et al.'s slow start: piecewise-constant phases of the peak LR (--lr-phases
+    'EPOCHS:FACTOR,...'); after the last phase its factor stays."""
+
+    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int, phases: list[tuple[int, float]]):
+        super().__init__(base_lr, warmup_steps, total_steps)
+        self.phases = phases  # (last step of the phase, factor)
+
+    @classmethod
+    def build(cls, cfg, clock):
+        phases, done = [], 0
+        for epochs, factor in lr_phases(cfg.lr_phases):
+            done += epochs
+            phases.append((clock.steps_until(done), factor))
+        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps, phases)
+
+    def decayed(self, step: int, peak: float) -> float:
+        return peak * next((factor for last, factor in self.phases if step <= last), self.phases[-1][1])
+
+
+def lr_phases(text: str) -> list[tuple[float, float]]:
+    phases = parse_pairs(text, "--lr-phases", (float, float))
+    if not phases or any(epochs <= 0 or factor < 0 for epochs, factor in phases):
+        raise ValueError(f"--lr-phases {text!r}: give EPOCHS:FACTOR pairs with positive epochs, e.g. '40:0.5,30:0.075'")
+    return phases
 
 
 class EvalPlan:

@@ -16,6 +16,7 @@ from train import checkpoint, engines
 from train.config import Config, UsageError, to_dict
 from train.precision import Precision
 from train.rules import batch_sizes, lr_and_warmup
+from train.schedule import batch_changes
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
@@ -66,9 +67,25 @@ def checked_setup(cfg: Config, engine):
         raise UsageError(f"{data_dir or 'the synthetic data'} has {loader.num_classes} classes, the run "
                          f"{cfg.num_classes}; check --data-dir (or --num-classes)")
     cfg = dataclasses.replace(cfg, num_classes=loader.num_classes)  # recorded in config.yaml
+    _check_batch_phases(cfg, engine.world_size, loader.train_images)
     if engine.rank == 0:
         _check_out_dir(cfg)
     return cfg, loader, precision, data_dir, note
+
+
+def _check_batch_phases(cfg: Config, world_size: int, train_images: int) -> None:
+    """Every global batch of --batch-schedule divides over the ranks, fits in the training set, and
+    splits into whole --bn-group-size groups."""
+    for _, batch in [(0, cfg.global_batch_size), *batch_changes(cfg.batch_schedule)]:
+        if batch % world_size:
+            raise UsageError(f"--batch-schedule's global batch {batch} does not divide over {world_size} ranks; "
+                             "choose multiples of the rank count")
+        if batch > train_images:
+            raise UsageError(f"global batch {batch} is more than the {train_images} training images; lower it")
+        per_rank = batch // world_size
+        if cfg.bn_group_size and cfg.bn_group_size < per_rank and per_rank % cfg.bn_group_size:
+            raise UsageError(f"--bn-group-size {cfg.bn_group_size} does not divide the per-rank batch {per_rank}; "
+                             "choose a divisor")
 
 
 def resolve_data_dir(cfg: Config) -> str:

@@ -1,6 +1,10 @@
 """Weak-scaling efficiency on this machine: 2 ranks x 1 thread against 1 rank x 1 thread, the same
 per-rank batch, ResNet-50 at a small image size, synthetic data; for each engine, flat and
 hierarchical all-reduce. efficiency = (2-rank images/s) / (2 x 1-rank images/s).
+Then the all-reduce algorithms side by side: 4 ranks x 1 thread as a 2 x 2 grid (--ranks-per-node 2,
+--torus-rows 2), flat, hierarchical and torus, each as images/s relative to flat in the same run
+(--four-ranks 0 skips it; with more ranks than cores they compete for the CPU, so the figures show
+the algorithms' overheads on this machine, not a network's).
 Runs the real launchers (torchrun, horovodrun). Last line: `scaling: MIN_FLAT (goal >= 0.90)`.
 """
 import argparse
@@ -22,12 +26,12 @@ def steady_images_per_s(run_dir: Path) -> float:
     return (last["images"] - first["images"]) / (last["seconds"] - first["seconds"])
 
 
-def run(engine: str, nproc: int, allreduce: str, args, out: Path) -> float:
+def run(engine: str, nproc: int, allreduce: str, args, out: Path, ranks_per_node: int = 1) -> float:
     train = ["-m", "train", "--out-dir", str(out), "--engine", engine, "--loader", "synthetic", "--arch", args.arch,
              "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--global-batch-size", "0",
              "--synthetic-images", str(args.batch_size * nproc * (args.steps + 2)), "--max-steps", str(args.steps),
              "--log-every", str(args.window), "--eval-every", "0", "--precision", "fp32",
-             "--allreduce", allreduce, "--ranks-per-node", "1"]
+             "--allreduce", allreduce, "--ranks-per-node", str(ranks_per_node), "--torus-rows", str(ranks_per_node)]
     if engine == "torch":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *train]
     elif engine == "horovod":
@@ -39,6 +43,16 @@ def run(engine: str, nproc: int, allreduce: str, args, out: Path) -> float:
     return steady_images_per_s(out)
 
 
+def compare_on_four_ranks(args, tmp: Path) -> None:
+    """4 ranks x 1 thread as 2 x 2: each algorithm's images/s relative to flat's, per engine."""
+    for engine in ("torch", "horovod"):
+        flat = None
+        for allreduce in ("flat", "hierarchical", "torus"):
+            rate = run(engine, 4, allreduce, args, tmp / f"four-{engine}-{allreduce}", ranks_per_node=2)
+            flat = flat or rate
+            print(f"4 ranks x 1 thread (2 x 2), {engine:7s} {allreduce:12s}: {rate:.1f} img/s, {rate / flat:.3f} x flat")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="resnet50")
@@ -46,6 +60,7 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=48, help="per rank")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--window", type=int, default=3, help="steps per logging window; the first is warm-up")
+    parser.add_argument("--four-ranks", type=int, default=1, help="1: also compare the all-reduce algorithms on 2 x 2 ranks")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         single = run("none", 1, "flat", args, Path(tmp) / "single")
@@ -58,6 +73,8 @@ def main() -> None:
                 if allreduce == "flat":
                     flat.append(efficiency)
                 print(f"2 ranks x 1 thread, {engine:7s} {allreduce:12s}: {rate:.1f} img/s, efficiency {efficiency:.3f}")
+        if args.four_ranks:
+            compare_on_four_ranks(args, Path(tmp))
     print(f"{args.arch} {args.image_size}px, batch {args.batch_size} per rank, {args.steps} steps")
     print(f"scaling: {min(flat):.3f} (goal >= 0.90)")
 

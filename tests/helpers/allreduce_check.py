@@ -32,16 +32,16 @@ def main():
             from torch.nn.parallel import DistributedDataParallel
             ddp = DistributedDataParallel(model)
             if path == "hierarchical":
-                ddp.register_comm_hook(None, engine._hierarchical_hook)
+                ddp.register_comm_hook(engine._two_level_routes(), engine._two_level_hook)
             ddp(images).square().mean().backward()
         else:
             import horovod.torch as hvd
-            from train.engines import HierarchicalHorovodOptimizer, _contiguous
+            from train.engines import TwoLevelHorovodOptimizer, _contiguous
             if path == "flat":
                 wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                    compression=_contiguous(hvd.Compression.none), op=hvd.Average)
             else:
-                wrapped = HierarchicalHorovodOptimizer(optimizer, engine)
+                wrapped = TwoLevelHorovodOptimizer(optimizer, engine, engine._two_level_routes())
             model(images).square().mean().backward()
             wrapped.synchronize()
         averaged.append([p.grad.detach().clone() for p in model.parameters()])

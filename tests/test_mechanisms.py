@@ -1,0 +1,153 @@
+"""The recipe mechanisms on CPU: the RMSprop-to-SGD blend, BatchNorm statistics recomputed over the
+last batches, batch-size control (every image once per epoch, bit-exact resume across a change,
+logged), augmentation switched off by the schedule, and every seed preset running a few steps."""
+import json
+
+import pytest
+import torch
+
+from helpers import REPO, compliance, launch, read_metrics, run_train
+from data.sharding import TrainBatchSampler
+from train.bnstats import recompute_bn_statistics
+from train.engines import SingleProcess
+from train.config import Config
+from train.optim import RMSpropWarmup
+from train.precision import Precision
+
+
+def trained(make_optimizer, steps=5):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 4), torch.nn.Tanh(), torch.nn.Linear(4, 3))
+    optimizer = make_optimizer(model.parameters())
+    data = torch.randn(steps, 8, 6, generator=torch.Generator().manual_seed(1))
+    for x in data:
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+@pytest.mark.parametrize("ratio", [1.0, 0.01])
+def test_the_blend_at_share_0_is_rmsprop_and_at_share_1_momentum_sgd(ratio):
+    settings = dict(momentum=0.9, weight_decay=1e-3)
+    rms = trained(lambda p: torch.optim.RMSprop(p, lr=0.05 * ratio, alpha=0.9, eps=1e-6, **settings))
+    blend_rms = trained(lambda p: RMSpropWarmup(p, lr=0.05, alpha=0.9, eps=1e-6, rms_lr_ratio=ratio, sgd_share=0.0,
+                                                **settings))
+    sgd = trained(lambda p: torch.optim.SGD(p, lr=0.05, **settings))
+    blend_sgd = trained(lambda p: RMSpropWarmup(p, lr=0.05, alpha=0.9, eps=1e-6, rms_lr_ratio=ratio, sgd_share=1.0,
+                                                **settings))
+    assert torch.allclose(blend_rms, rms, rtol=1e-5, atol=1e-7) and torch.allclose(blend_sgd, sgd, rtol=1e-5, atol=1e-7)
+    half = trained(lambda p: RMSpropWarmup(p, lr=0.05, alpha=0.9, eps=1e-6, rms_lr_ratio=ratio, sgd_share=0.5,
+                                           **settings))
+    assert not torch.allclose(half, rms) and not torch.allclose(half, sgd)
+
+
+def test_recomputed_bn_statistics_are_those_of_the_last_batches_together():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4), torch.nn.ReLU())
+    batches = [torch.randn(5, 3, 8, 8) * 2 + 1, torch.randn(3, 3, 8, 8) - 1]
+    engine = SingleProcess(Config())
+    assert recompute_bn_statistics(model, batches, engine, Precision("fp32", engine.device)) == 8
+    features = model[0](torch.cat(batches)).detach().transpose(0, 1).reshape(4, -1)
+    assert torch.allclose(model[1].running_mean, features.mean(1), atol=1e-6)
+    assert torch.allclose(model[1].running_var, features.var(1), rtol=1e-5)  # unbiased, as BatchNorm keeps it
+    assert recompute_bn_statistics(model, [], engine, Precision("fp32", engine.device)) == 0
+
+
+@pytest.mark.parametrize("launcher", ["torch", "horovod"])
+def test_recomputed_bn_statistics_span_all_ranks(launcher, tmp_path):
+    out = tmp_path / "stats.json"
+    result = launch(launcher, 2, REPO / "tests" / "helpers" / "bn_recompute_check.py", out, cwd=tmp_path, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    stats = json.loads(out.read_text())
+    assert stats["images"] == 3 * 4 + 3 * 5
+    assert stats["mean"] == pytest.approx(stats["expected_mean"], rel=1e-5, abs=1e-6)
+    assert stats["var"] == pytest.approx(stats["expected_var"], rel=1e-5)
+
+
+def test_a_batch_size_change_covers_every_image_once_per_epoch():
+    for world in (1, 2, 3):
+        samplers = [TrainBatchSampler(120, 4, rank, world, seed=3) for rank in range(world)]
+        for per_rank in (4, 8, 20):  # as Loader.set_batch_size sets it
+            seen = []
+            for sampler in samplers:
+                sampler.batch_size, sampler.global_batch, sampler.epoch = per_rank, per_rank * world, 2
+                batches = list(sampler)
+                assert all(len(b) == per_rank for b in batches) and len(batches) == 120 // (per_rank * world)
+                seen += [index for batch in batches for index, _ in batch]
+            assert len(seen) == len(set(seen)) == 120 // (per_rank * world) * per_rank * world
+
+
+SYNTHETIC = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 64,
+             "--synthetic-val-images", 16, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 3,
+             "--batch-schedule", "1:16,2:32", "--log-every", 2, "--eval-every", 1]
+
+
+def test_batch_size_control_resumes_bit_exactly_across_a_change_and_is_logged(tmp_path):
+    whole = run_train("--out-dir", "whole", *SYNTHETIC, cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    first = run_train("--out-dir", "parts", *SYNTHETIC, "--max-steps", 5, cwd=tmp_path)  # in epoch 1 (8 steps)
+    assert first.returncode == 0, first.stderr
+    second = run_train("--out-dir", "parts", "--resume", "--max-steps", 0, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    a, b = (torch.load(tmp_path / run / "checkpoint.pt", weights_only=True) for run in ("whole", "parts"))
+    assert a["step"] == b["step"] == 8 + 4 + 2  # 64 images at global batch 8, then 16, then 32
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    records = read_metrics(tmp_path / "whole")
+    changes = [(r["epoch"], r["step"], r["global_batch"]) for r in records if r["kind"] == "batch"]
+    assert changes == [(2, 8, 16), (3, 12, 32)]
+    epochs = [(r["step"], r["images"]) for r in records if r["kind"] == "epoch"]
+    assert epochs == [(8, 64), (12, 128), (14, 192)]  # every image once per epoch
+    mllog = [json.loads(line[len(":::MLLOG "):]) for line in (tmp_path / "whole" / "mllog.txt").read_text().splitlines()]
+    batches = [(e["value"], (e.get("metadata") or {}).get("epoch_num")) for e in mllog if e["key"] == "global_batch_size"]
+    assert [value for value, _ in batches] == [8, 16, 32] and batches[1][1] == 2
+    checked = compliance(tmp_path / "whole" / "mllog.txt", tmp_path)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout + checked.stderr
+
+
+def test_the_loop_switches_augmentation_off_when_the_schedule_says_so(tmp_path):
+    """With augmentation off the crop settings no longer matter: two runs that differ only in them
+    end bit-identical; with it on they differ."""
+    base = ["--arch", "resnet18", "--image-size", 32, "--global-batch-size", 16, "--max-steps", 2, "--workers", 1,
+            "--eval-every", 0, "--epochs", 2]
+    weights = {}
+    for off in (1, 0):
+        for scale in (0.08, 0.5):
+            out = f"run-{off}-{scale}"
+            result = run_train("--out-dir", out, *base, "--augment-off-epoch", off, "--crop-min-scale", scale,
+                               cwd=tmp_path)
+            assert result.returncode == 0, result.stderr
+            weights[off, scale] = torch.load(tmp_path / out / "checkpoint.pt", weights_only=True)["model"]
+    assert all(torch.equal(weights[1, 0.08][k], weights[1, 0.5][k]) for k in weights[1, 0.08])
+    assert not all(torch.equal(weights[0, 0.08][k], weights[0, 0.5][k]) for k in weights[0, 0.08])
+
+
+# every seed preset runs a few steps with its mechanisms on (smaller batch and images for CPU) -----
+# (--lr: a preset's peak LR diverges on 64 images)
+TINY = ["--lr", 0.5, "--loader", "synthetic", "--image-size", 16, "--synthetic-images", 64, "--synthetic-val-images", 16,
+        "--synthetic-classes", 10, "--epochs", 2, "--eval-every", 1, "--log-every", 2, "--target-accuracy", 0]
+FP16 = {"TRAINER_ALLOW_CPU_FP16": "1"}
+
+
+@pytest.mark.parametrize("preset,ranks,extra", [
+    ("goyal2017-8k", 1, ["--global-batch-size", 16, "--bn-group-size", 8]),  # ghost BN: 2 groups per rank
+    ("akiba2017-32k", 1, ["--global-batch-size", 16]),
+    ("nvidia-mlperf40-8gpu", 1, ["--global-batch-size", 16]),
+    ("jia2018-64k", 2, ["--global-batch-size", 16]),
+    ("mikami2018", 2, ["--global-batch-size", 16, "--batch-schedule", "1:32"]),
+    ("kumar2019-tpu-32k", 2, ["--global-batch-size", 16, "--bn-span", 2]),
+    ("yamazaki2019", 2, ["--global-batch-size", 16, "--augment-off-epoch", 2]),
+    ("nvidia-mlperf40-2528gpu", 2, ["--global-batch-size", 16]),
+])
+def test_each_seed_preset_trains_a_few_steps(preset, ranks, extra, tmp_path):
+    args = ["-m", "train", "--preset", preset, *TINY, *extra, "--out-dir", tmp_path / "run"]
+    result = launch("torch" if ranks > 1 else "none", ranks, *args, cwd=tmp_path, env=FP16, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = read_metrics(tmp_path / "run")
+    evals = [r for r in records if r["kind"] == "eval"]
+    assert len(evals) == 2 and evals[-1]["eval_images"] == 16
+    if ranks > 1:
+        assert [r["differing_from_rank0"] for r in records if r["kind"] == "replicas"] == [0]
+    if preset == "mikami2018":
+        assert [(r["epoch"], r["global_batch"]) for r in records if r["kind"] == "batch"] == [(2, 32)]

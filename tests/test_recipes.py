@@ -1,0 +1,162 @@
+"""The seed systems' recipes: each preset's --show-recipe against the published table
+(docs/seed_systems.md), and each recipe's schedule mechanisms against their formulas."""
+import json
+import math
+
+import pytest
+
+from helpers import run_train
+from train.config import Config, parse
+from train.recipe import recipe
+from train.schedule import EpochClock, SgdShareRamp, build_schedule
+
+END_LR = 1e-4
+
+
+def show(preset: str) -> dict:
+    return recipe(parse(["--preset", preset, "--show-recipe"]))
+
+
+def column(epochs: list[dict], key: str, first: int, last: int) -> list:
+    return [e[key] for e in epochs[first - 1:last]]
+
+
+def lrs(epochs: list[dict], first: int, last: int) -> list:
+    """The LR at the first and last step of epochs first..last (counted from 1)."""
+    return column(epochs, "lr_first", first, last) + column(epochs, "lr_last", first, last)
+
+
+def test_show_recipe_prints_one_json_object_and_trains_nothing(tmp_path):
+    result = run_train("--preset", "goyal2017-8k", "--show-recipe", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    shown = json.loads(result.stdout)
+    assert shown["config"]["global_batch_size"] == 8192 and len(shown["epochs"]) == 90
+    assert set(shown["epochs"][0]) == {"epoch", "global_batch", "lr_first", "lr_last", "augment"}
+    assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+def test_goyal_2017():
+    r = show("goyal2017-8k")
+    cfg, epochs = r["config"], r["epochs"]
+    assert (cfg["optimizer"], cfg["nesterov"], cfg["momentum"], cfg["weight_decay"]) == ("sgd", True, 0.9, 1e-4)
+    assert cfg["lr"] == pytest.approx(0.1 * 8192 / 256) and cfg["label_smoothing"] == 0
+    assert cfg["bn_group_size"] == 32 and cfg["zero_init_residual"] and len(epochs) == 90
+    assert set(column(epochs, "global_batch", 1, 90)) == {8192}
+    steps = 1_281_167 // 8192
+    assert epochs[0]["lr_first"] == pytest.approx(0.1 + (3.2 - 0.1) / (5 * steps))  # per-step warmup from 0.1
+    assert epochs[4]["lr_last"] == pytest.approx(3.2)
+    for first, last, lr in ((6, 30, 3.2), (31, 60, 0.32), (61, 80, 0.032), (81, 90, 0.0032)):
+        assert lrs(epochs, first, last) == pytest.approx([lr] * 2 * (last - first + 1)), (first, last)
+
+
+def test_akiba_2017():
+    r = show("akiba2017-32k")
+    cfg, epochs = r["config"], r["epochs"]
+    assert cfg["optimizer"] == "rmsprop-warmup" and cfg["lr"] == pytest.approx(12.8)
+    assert cfg["bn_recompute_batches"] == 1 and cfg["fp16_allreduce"] and len(epochs) == 90
+    for first, last, factor in ((1, 40, 0.5), (41, 70, 0.075), (71, 85, 0.01), (86, 90, 0.001)):
+        assert lrs(epochs, first, last) == pytest.approx([12.8 * factor] * 2 * (last - first + 1)), (first, last)
+    shares = [e["sgd_share"] for e in epochs]  # at each epoch's first step: epochs done = epoch - 1
+    assert shares[:8] == [0.0] * 8 and shares[13:] == [1.0] * 77  # the rise: epochs 7.5 to 12.5
+    assert shares[10] == pytest.approx(0.5) and shares == sorted(shares)
+
+
+def test_jia_2018():
+    r = show("jia2018-64k")
+    cfg, epochs = r["config"], r["epochs"]
+    assert (cfg["global_batch_size"], cfg["optimizer"], cfg["precision"], cfg["allreduce"]) == \
+        (65536, "lars", "fp16", "hierarchical")
+    assert (cfg["lr"], cfg["warmup_epochs"], cfg["weight_decay"], cfg["momentum"]) == (24.699, 31, 1e-4, 0.951807)
+    assert len(epochs) == 88 and epochs[30]["lr_last"] == pytest.approx(24.699)
+    assert epochs[-1]["lr_last"] == pytest.approx(END_LR)
+
+
+def test_mikami_2018():
+    r = show("mikami2018")
+    cfg, epochs = r["config"], r["epochs"]
+    assert column(epochs, "global_batch", 1, 88) == [34816] * 30 + [69632] * 58
+    assert (cfg["allreduce"], cfg["label_smoothing"], cfg["optimizer"]) == ("torus", 0.1, "lars")
+    # the MLPerf table between 32768 (LR 21.2, warmup 16) and 49152 (19.405, 24), in log2 of the batch
+    share = math.log2(34816 / 32768) / math.log2(49152 / 32768)
+    assert cfg["lr"] == pytest.approx(21.2 + share * (19.405 - 21.2))
+    assert cfg["warmup_epochs"] == pytest.approx(16 + share * 8)
+    # from epoch 31 the peak is the table's LR for 69632 (held at its last point, 65536: 24.699)
+    jump = (epochs[30]["lr_first"] - END_LR) / (epochs[29]["lr_last"] - END_LR)
+    assert jump == pytest.approx(24.699 / cfg["lr"], rel=0.01)
+    assert epochs[-1]["lr_last"] == pytest.approx(END_LR) and len(epochs) == 88
+
+
+def test_kumar_2019_tpu():
+    r = show("kumar2019-tpu-32k")
+    cfg, epochs = r["config"], r["epochs"]
+    assert (cfg["global_batch_size"], cfg["bn_span"], cfg["precision"], cfg["lars_epsilon"]) == (32768, 8, "bf16", 1e-5)
+    assert (cfg["lr"], cfg["warmup_epochs"], cfg["weight_decay"], cfg["label_smoothing"]) == (31.2, 25, 1e-4, 0.1)
+    assert len(epochs) == 72 and epochs[24]["lr_last"] == pytest.approx(31.2)
+    assert epochs[-1]["lr_last"] == pytest.approx(END_LR)
+
+
+def test_yamazaki_2019():
+    r = show("yamazaki2019")
+    cfg, epochs = r["config"], r["epochs"]
+    assert cfg["global_batch_size"] == 42 * 2048 and (cfg["lars_eta"], cfg["momentum"], cfg["weight_decay"]) == \
+        (0.0025, 0.96, 5e-5)
+    assert (cfg["precision"], cfg["allreduce"], cfg["init_from_seed"], cfg["label_smoothing"]) == \
+        ("fp16", "hierarchical", True, 0.1)
+    assert len(epochs) == 90 and epochs[35]["lr_last"] == pytest.approx(13.0)
+    # half-way through the 54 decay epochs: 1e-4 + (13 - 1e-4) * 0.5 ** 2.2
+    assert epochs[62]["lr_last"] == pytest.approx(END_LR + (13.0 - END_LR) * 0.5 ** 2.2)
+    assert [e["augment"] for e in epochs] == [True] * 84 + [False] * 6
+
+
+@pytest.mark.parametrize("preset,batch,lr,warmup,wd,momentum,epochs,span", [
+    ("nvidia-mlperf40-8gpu", 3200, 11.0, 2, 5e-5, 0.9, 37, 1),
+    ("nvidia-mlperf40-2528gpu", 40448, 19.4, 24, 1e-4, 0.95, 62, 2)])
+def test_nvidia_mlperf_v4(preset, batch, lr, warmup, wd, momentum, epochs, span):
+    r = show(preset)
+    cfg = r["config"]
+    assert (cfg["global_batch_size"], cfg["lr"], cfg["warmup_epochs"], cfg["weight_decay"], cfg["momentum"]) == \
+        (batch, lr, warmup, wd, momentum)
+    assert (len(r["epochs"]), cfg["bn_span"], cfg["target_accuracy"], cfg["lars_eta"]) == (epochs, span, 0.759, 0.001)
+    assert r["epochs"][warmup - 1]["lr_last"] == pytest.approx(lr)
+
+
+# the mechanisms' formulas ------------------------------------------------------------------------
+def schedule_of(clock, **settings):
+    return build_schedule(Config(**{"lr": 3.2, "warmup_epochs": 2, **settings}), clock)
+
+
+def test_multistep_with_warmup_from_a_start_lr():
+    s = schedule_of(EpochClock(100, 10, epochs=10), lr_schedule="multistep", warmup_start_lr=0.1,
+                    lr_decay_epochs="3,6", lr_decay_factor=0.1, optimizer="sgd")
+    assert s(1) == pytest.approx(0.1 + 3.1 / 20) and s(20) == pytest.approx(3.2)
+    assert [s(k) for k in (21, 30, 31, 60, 61, 100)] == pytest.approx([3.2, 3.2, 0.32, 0.32, 0.032, 0.032])
+
+
+def test_slow_start_phases():
+    s = schedule_of(EpochClock(100, 10, epochs=8), lr_schedule="phases", lr_phases="2:0.5,3:0.1,1:0.01",
+                    warmup_epochs=0)
+    assert [s(k) for k in (1, 20, 21, 50, 51, 60, 61, 80)] == pytest.approx([1.6, 1.6, 0.32, 0.32, 0.032, 0.032,
+                                                                            0.032, 0.032])
+
+
+def test_batch_size_control_clock_and_lr():
+    clock = EpochClock(100, 10, [(2, 20)], epochs=4)  # 10, 10, 5, 5 steps
+    assert [clock.steps_in(e) for e in range(4)] == [10, 10, 5, 5] and clock.total_steps == 30
+    assert [clock.global_batch(e) for e in range(4)] == [10, 10, 20, 20]
+    assert clock.images(25) == 10 * 10 + 10 * 10 + 5 * 20 and clock.epoch_of(21) == 2 and clock.epoch_of(20) == 1
+    assert clock.progress(22) == pytest.approx(2.4) and clock.steps_until(2.4) == 22
+    # SGD's rule is linear in the batch: the second phase's peak is twice the first
+    s = schedule_of(clock, optimizer="sgd", lr=1.0, warmup_epochs=0, lr_schedule="multistep", lr_decay_epochs="9")
+    assert [s(k) for k in (1, 20, 21, 30)] == [1.0, 1.0, 2.0, 2.0]
+
+
+def test_sgd_share_ramp():
+    ramp = SgdShareRamp(center=10, width=5)
+    assert [ramp(e) for e in (0, 7.5, 10, 12.5, 40)] == pytest.approx([0, 0, 0.5, 1, 1])
+    assert ramp(8.75) == pytest.approx(0.5 - 0.5 * math.cos(math.pi / 4))
+
+
+def test_augmentation_switches_off_from_the_given_epoch():
+    s = schedule_of(EpochClock(100, 10, epochs=10), augment_off_epoch=8)
+    assert [s.augment(e) for e in range(10)] == [True] * 7 + [False] * 3  # epochs 8, 9, 10 (from 1)
+    assert all(schedule_of(EpochClock(100, 10, epochs=10)).augment(e) for e in range(10))
