@@ -151,3 +151,15 @@ def test_each_seed_preset_trains_a_few_steps(preset, ranks, extra, tmp_path):
         assert [r["differing_from_rank0"] for r in records if r["kind"] == "replicas"] == [0]
     if preset == "mikami2018":
         assert [(r["epoch"], r["global_batch"]) for r in records if r["kind"] == "batch"] == [(2, 32)]
+
+
+def test_the_run_uses_ghost_batchnorm_groups_and_a_group_of_the_whole_batch_is_plain_bn(tmp_path):
+    base = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,
+            "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 1, "--eval-every", 0, "--max-steps", 2]
+    weights = {}
+    for group in (0, 8, 4):
+        result = run_train("--out-dir", f"g{group}", *base, "--bn-group-size", group, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        weights[group] = torch.load(tmp_path / f"g{group}" / "checkpoint.pt", weights_only=True)["model"]
+    assert all(torch.equal(weights[0][k], weights[8][k]) for k in weights[0])  # G = per-rank batch: plain BN
+    assert not all(torch.equal(weights[0][k], weights[4][k]) for k in weights[0])  # two groups of 4
