@@ -170,3 +170,21 @@ def test_numbers_in_exponent_form_are_accepted_in_presets(tmp_path):
     assert cfg.weight_decay == 5e-5 and cfg.lr == 10.0
     preset.write_text("weight_decay: lots\n")
     expect_usage_error(tmp_path, "--preset", preset, match="weight_decay must be float, got 'lots'")
+
+
+SYNTHETIC = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,
+             "--synthetic-classes", 10, "--global-batch-size", 8]
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--batch-schedule", "1:64"], "global batch 64 is more than the 32 training images"),
+    (["--batch-schedule", "1:x"], "--batch-schedule '1:x': '1:x' is not NUMBER:NUMBER"),
+    (["--batch-schedule", "2:16,1:32"], "epochs must be positive and increasing"),
+    (["--bn-group-size", 3], "--bn-group-size 3 does not divide the per-rank batch 8"),
+    (["--lr-schedule", "phases", "--lr-phases", "10"], "--lr-phases '10': '10' is not NUMBER:NUMBER"),
+    (["--lr-schedule", "multistep", "--lr-decay-epochs", "30,x"], "is not a list of epochs"),
+    (["--optimizer", "sgd", "--nesterov", "--momentum", 0], "--nesterov needs a positive --momentum"),
+    (["--division", "closed", "--batch-schedule", "1:16"], "not allowed in the MLPerf closed division"),
+])
+def test_bad_recipe_settings(tmp_path, flags, match):
+    expect_usage_error(tmp_path, *SYNTHETIC, *flags, match=match)

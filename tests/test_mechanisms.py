@@ -65,6 +65,19 @@ def test_recomputed_bn_statistics_span_all_ranks(launcher, tmp_path):
     assert stats["var"] == pytest.approx(stats["expected_var"], rel=1e-5)
 
 
+def test_the_run_evaluates_with_statistics_recomputed_over_the_last_batches(tmp_path):
+    """--bn-recompute-batches reaches the evaluation: the checkpoint's BN statistics (saved right after
+    the last evaluation) are not the running averages, and depend on K."""
+    base = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,
+            "--synthetic-val-images", 8, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 1]
+    stats = {}
+    for k in (0, 1, 2):
+        result = run_train("--out-dir", f"k{k}", *base, "--bn-recompute-batches", k, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        stats[k] = torch.load(tmp_path / f"k{k}" / "checkpoint.pt", weights_only=True)["model"]["bn1.running_var"]
+    assert not torch.equal(stats[0], stats[1]) and not torch.equal(stats[1], stats[2])
+
+
 def test_a_batch_size_change_covers_every_image_once_per_epoch():
     for world in (1, 2, 3):
         samplers = [TrainBatchSampler(120, 4, rank, world, seed=3) for rank in range(world)]
@@ -86,10 +99,12 @@ SYNTHETIC = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, 
 def test_batch_size_control_resumes_bit_exactly_across_a_change_and_is_logged(tmp_path):
     whole = run_train("--out-dir", "whole", *SYNTHETIC, cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
-    first = run_train("--out-dir", "parts", *SYNTHETIC, "--max-steps", 5, cwd=tmp_path)  # in epoch 1 (8 steps)
-    assert first.returncode == 0, first.stderr
-    second = run_train("--out-dir", "parts", "--resume", "--max-steps", 0, cwd=tmp_path)
-    assert second.returncode == 0, second.stderr
+    # stopped in epoch 1 (8 steps at batch 8), resumed across the change, stopped in epoch 2 (4 steps at
+    # 16), resumed inside the later phase to the end
+    for limit in (5, 10, 0):
+        part = run_train("--out-dir", "parts", *(["--resume"] if limit != 5 else SYNTHETIC), "--max-steps", limit,
+                         cwd=tmp_path)
+        assert part.returncode == 0, part.stderr
     a, b = (torch.load(tmp_path / run / "checkpoint.pt", weights_only=True) for run in ("whole", "parts"))
     assert a["step"] == b["step"] == 8 + 4 + 2  # 64 images at global batch 8, then 16, then 32
     for key in a["model"]:
@@ -99,6 +114,13 @@ def test_batch_size_control_resumes_bit_exactly_across_a_change_and_is_logged(tm
     assert changes == [(2, 8, 16), (3, 12, 32)]
     epochs = [(r["step"], r["images"]) for r in records if r["kind"] == "epoch"]
     assert epochs == [(8, 64), (12, 128), (14, 192)]  # every image once per epoch
+    assert [(r["step"], r["images"]) for r in records if r["kind"] == "eval"] == epochs
+    # the parts also evaluate where they stopped: step 5 (5 x 8 images), step 10 (64 + 2 x 16)
+    assert [(r["step"], r["images"]) for r in read_metrics(tmp_path / "parts") if r["kind"] == "eval"] == \
+        [(5, 40), (8, 64), (10, 96), (12, 128), (14, 192)]
+    again = run_train("--out-dir", "parts", "--resume", "--epochs", 4, "--batch-schedule", "1:32", cwd=tmp_path)
+    assert again.returncode == 2 and "resume with the run's own --global-batch-size and --batch-schedule" in \
+        again.stderr, again.stderr
     mllog = [json.loads(line[len(":::MLLOG "):]) for line in (tmp_path / "whole" / "mllog.txt").read_text().splitlines()]
     batches = [(e["value"], (e.get("metadata") or {}).get("epoch_num")) for e in mllog if e["key"] == "global_batch_size"]
     assert [value for value, _ in batches] == [8, 16, 32] and batches[1][1] == 2

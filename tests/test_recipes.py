@@ -160,3 +160,14 @@ def test_augmentation_switches_off_from_the_given_epoch():
     s = schedule_of(EpochClock(100, 10, epochs=10), augment_off_epoch=8)
     assert [s.augment(e) for e in range(10)] == [True] * 7 + [False] * 3  # epochs 8, 9, 10 (from 1)
     assert all(schedule_of(EpochClock(100, 10, epochs=10)).augment(e) for e in range(10))
+
+
+def test_the_warmup_ramps_to_where_the_schedule_stands_at_its_end():
+    """A phase or a decay step inside the warmup: the ramp ends at that LR, no jump after it."""
+    clock = EpochClock(100, 10, epochs=10)  # 10 steps per epoch, warmup 2 epochs = 20 steps
+    phases = schedule_of(clock, lr_schedule="phases", lr_phases="1:0.5,5:0.1")
+    assert phases(20) == pytest.approx(0.32) and phases(21) == pytest.approx(0.32) and phases(10) == pytest.approx(0.16)
+    steps = schedule_of(clock, lr_schedule="multistep", lr_decay_epochs="1,5", lr_decay_factor=0.1, optimizer="sgd")
+    values = [steps(k) for k in range(1, 51)]
+    assert values[19] == pytest.approx(0.32) and values[:20] == sorted(values[:20])
+    assert values[20:] == pytest.approx([0.32] * 30) and steps(51) == pytest.approx(0.032)

@@ -38,8 +38,8 @@ class RecentBatches:
         self.batches = deque(maxlen=k)
 
     def add(self, images: torch.Tensor) -> None:
-        if self.batches.maxlen:
-            self.batches.append(images)
+        if self.batches.maxlen:  # a copy: a loader may reuse its output buffers (DALI on a CPU does)
+            self.batches.append(images.clone())
 
 
 @torch.no_grad()

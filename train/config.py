@@ -52,7 +52,7 @@ class Config:
     warmup_epochs: float = field(default=-1.0, metadata={"help": "linear warmup length in epochs (-1: chosen from the global batch)"})
     end_lr: float = field(default=1e-4, metadata={"help": "LR at the last step of the polynomial decay"})
     lr_decay_power: float = field(default=2.0, metadata={"help": "power of the polynomial decay"})
-    warmup_start_lr: float = field(default=0.0, metadata={"help": "LR of the warmup's first step (0: ramp up from 0)"})
+    warmup_start_lr: float = field(default=0.0, metadata={"help": "LR the warmup ramps up from, per step (0: from 0)"})
     lr_decay_epochs: str = field(default="30,60,80", metadata={"help": "--lr-schedule multistep: epochs after which the LR is multiplied by --lr-decay-factor"})
     lr_decay_factor: float = field(default=0.1, metadata={"help": "--lr-schedule multistep: LR factor at each --lr-decay-epochs"})
     lr_phases: str = field(default="", metadata={"help": "--lr-schedule phases: 'EPOCHS:FACTOR,...' = the peak LR x FACTOR for that many epochs (slow start)"})
@@ -247,6 +247,11 @@ def validate(cfg: Config) -> Config:
     need(cfg.log_every > 0 and cfg.checkpoint_every > 0, "--log-every and --checkpoint-every must be positive")
     need(cfg.bn_group_size >= 0 and cfg.bn_recompute_batches >= 0 and cfg.torus_rows >= 0 and cfg.augment_off_epoch >= 0,
          "--bn-group-size, --bn-recompute-batches, --torus-rows and --augment-off-epoch must not be negative")
+    need(not (cfg.nesterov and cfg.momentum <= 0), "--nesterov needs a positive --momentum")
+    need(cfg.division == "open" or (not cfg.batch_schedule and cfg.optimizer in ("lars", "sgd")
+                                    and cfg.lr_schedule == "warmup-poly"),
+         "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "
+         "MLPerf closed division; use --division open")
     from train.schedule import batch_changes, decay_epochs, lr_phases
     try:
         batch_changes(cfg.batch_schedule)

@@ -20,14 +20,14 @@ from mlperf_logging.mllog import constants as K
 from data import LoaderSettings, build_loader
 from models import build_model
 from train import checkpoint
+from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.config import PREEMPTED_MARKER, Config, UsageError, to_dict
 from train.optim import build_optimizer
 from train.precision import Precision
 from train.runlog import RunLog, progress
-from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
-from train.schedule import EpochClock, EvalPlan, batch_changes, build_schedule
-from train.startup import (RunFinished, agreed, agreed_error, checked_setup, create_engine, make_out_dir,
-                           resolve_data_dir)
+from train.schedule import EpochClock, EvalPlan, build_schedule
+from train.startup import (RunFinished, agreed, agreed_error, checked_setup, create_engine, ghost_group,
+                           make_out_dir, resolve_data_dir)
 
 __all__ = ["Preempted", "RunAborted", "RunFinished", "run", "test_only"]
 
@@ -93,9 +93,9 @@ class Training:
             torch.set_float32_matmul_precision("high")
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last).to(device)
-        model = engine.sync_batchnorm(model, cfg.bn_span, ghost_group(cfg))
+        model = engine.sync_batchnorm(model, cfg.bn_span, ghost_group(cfg, engine.world_size))
         optimizer = build_optimizer(cfg, model)
-        self.clock = EpochClock(loader.train_images, cfg.global_batch_size, batch_changes(cfg.batch_schedule), cfg.epochs)
+        self.clock = EpochClock.of(cfg, loader.train_images)
         self.schedule = build_schedule(cfg, self.clock)
         self.recent = RecentBatches(cfg.bn_recompute_batches)
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
@@ -123,7 +123,7 @@ class Training:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
         header = (f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
                   f"{loader.train_images} train / {loader.val_images} val images | {engine.world_size} rank(s) x batch "
-                  f"{cfg.batch_size} = global batch {cfg.global_batch_size}{f' (after E epochs E:B: {cfg.batch_schedule})' if cfg.batch_schedule else ''} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
+                  f"{cfg.batch_size} = global batch {cfg.global_batch_size}{f', then epochs:batch {cfg.batch_schedule}' if cfg.batch_schedule else ''} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
                   f"{cfg.warmup_epochs:g} epochs{f' ({note})' if note else ''} | {self.precision.name} on "
                   f"{device.type} | {self.out_dir}")
         self.log.setup(init_start_ms, header, platform=f"{engine.world_size}x{device_name}",
@@ -217,10 +217,13 @@ class Training:
 
     def evaluate(self, epoch: int) -> None:
         if self.cfg.bn_recompute_batches:  # BN without moving averages: the last K batches' statistics
-            recompute_bn_statistics(self.engine.unwrap(self.model), self.recent.batches, self.engine, self.precision)
+            if not recompute_bn_statistics(self.engine.unwrap(self.model), self.recent.batches, self.engine,
+                                           self.precision):
+                self.log.warning("no training batch since the resume to recompute BatchNorm statistics from; "
+                                 "evaluating with the checkpoint's")
         else:
             share_bn_statistics(self.model, self.engine, self.cfg.bn_span)
-        with self.log.evaluation(epoch, self.state.step) as record:
+        with self.log.evaluation(epoch, self.state.step, self.clock.images(self.state.step)) as record:
             top1, top5, images = evaluate(self.model, self.loader, self.precision, self.engine)
             record(top1=top1, top5=top5, eval_images=images, skipped_images=self._skipped("validation"))
         s = self.state
@@ -343,14 +346,6 @@ class LossMeter:
 
     def seconds(self) -> float:
         return max(time.time() - self.start, 1e-9)
-
-
-def ghost_group(cfg: Config) -> int:
-    """--bn-group-size when it splits some phase's per-rank batch into groups, else 0: BN over the
-    whole per-rank batch is then plain BatchNorm, bit for bit."""
-    per_rank = max(batch for _, batch in [(0, cfg.global_batch_size), *batch_changes(cfg.batch_schedule)])
-    per_rank //= max(cfg.global_batch_size // cfg.batch_size, 1)  # the rank count
-    return cfg.bn_group_size if 0 < cfg.bn_group_size < per_rank else 0
 
 
 def replicas_differing(model, engine) -> int:

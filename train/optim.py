@@ -25,21 +25,24 @@ def lars(cfg, model, lr):
                 eta=cfg.lars_eta, epsilon=cfg.lars_epsilon)
 
 
+def decay_groups(cfg, model) -> list[dict]:
+    """Weight decay on the weights of convolutions and linear layers, none on BN parameters and biases."""
+    regular, excluded = lars_param_groups(model)
+    regular["weight_decay"], excluded["weight_decay"] = cfg.weight_decay, 0.0
+    return [regular, excluded]
+
+
 @register("sgd")
 def sgd(cfg, model, lr):
     """Momentum SGD, weight decay on the weights of convolutions and linear layers only."""
-    regular, excluded = lars_param_groups(model)
-    regular["weight_decay"], excluded["weight_decay"] = cfg.weight_decay, 0.0
-    return torch.optim.SGD([regular, excluded], lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=True)
+    return torch.optim.SGD(decay_groups(cfg, model), lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=True)
 
 
 @register("rmsprop-warmup")
 def rmsprop_warmup(cfg, model, lr):
     """Akiba et al.'s RMSprop warm-up: RMSprop blended into momentum SGD, the SGD share set by the
     schedule at every step (schedule.SgdShareRamp); weight decay as for SGD."""
-    regular, excluded = lars_param_groups(model)
-    regular["weight_decay"], excluded["weight_decay"] = cfg.weight_decay, 0.0
-    return RMSpropWarmup([regular, excluded], lr=lr, momentum=cfg.momentum, alpha=cfg.rmsprop_alpha,
+    return RMSpropWarmup(decay_groups(cfg, model), lr=lr, momentum=cfg.momentum, alpha=cfg.rmsprop_alpha,
                          eps=cfg.rmsprop_epsilon, rms_lr_ratio=cfg.rmsprop_lr_ratio)
 
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 from data.loaders import open_split
 from data.tree import check_tree
-from train.config import Config, to_dict
+from train.config import Config, UsageError, to_dict
 from train.engines import detect_launch
 from train.rules import batch_sizes, lr_and_warmup
-from train.schedule import EpochClock, batch_changes, build_schedule
+from train.schedule import EpochClock, build_schedule
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
@@ -27,7 +27,10 @@ def recipe(cfg: Config) -> dict:
     cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup, show_recipe=False)
     train_images = len(open_split(Path(cfg.data_dir), "train", check_tree(cfg.data_dir))) if cfg.data_dir \
         else IMAGENET_TRAIN_IMAGES
-    clock = EpochClock(train_images, global_batch, batch_changes(cfg.batch_schedule), cfg.epochs)
+    try:
+        clock = EpochClock.of(cfg, train_images)
+    except ValueError as err:
+        raise UsageError(str(err)) from None
     schedule = build_schedule(cfg, clock)
     epochs = []
     for epoch in range(cfg.epochs):

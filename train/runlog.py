@@ -93,8 +93,9 @@ class RunLog:
                        f"{figures['img_per_s']:8.1f} img/s  loss {figures['loss']:.4f}  lr {figures['lr']:.4g}")
 
     @contextlib.contextmanager
-    def evaluation(self, epoch: int, step: int):
-        """Around an evaluation: yields a function taking its figures (top1, top5, eval_images, ...)."""
+    def evaluation(self, epoch: int, step: int, images: int):
+        """Around an evaluation after `step` steps and `images` training images: yields a function
+        taking its figures (top1, top5, eval_images, ...)."""
         self._start(K.EVAL_START, epoch_num=epoch)
         started = time.time()
         figures = {}
@@ -103,7 +104,7 @@ class RunLog:
         self._end(K.EVAL_STOP, epoch_num=epoch)
         self._event(K.EVAL_ACCURACY, figures["top1"], epoch_num=epoch)
         self._end(K.BLOCK_STOP, first_epoch_num=self.eval_plan.block_start(epoch))
-        self.metrics(kind="eval", step=step, epoch=epoch, images=step * self.cfg.global_batch_size,
+        self.metrics(kind="eval", step=step, epoch=epoch, images=images,
                      seconds=self.seconds(), top1=round(figures["top1"], 5), top5=round(figures["top5"], 5),
                      eval_images=figures["eval_images"], eval_seconds=round(seconds, 3),
                      skipped_images=figures["skipped_images"])

@@ -45,6 +45,11 @@ def batch_changes(text: str) -> list[tuple[int, int]]:
     return changes
 
 
+def batch_phases(cfg) -> list[tuple[int, int]]:
+    """(epochs done, global batch from then on) of a run: its first global batch, then --batch-schedule."""
+    return [(0, cfg.global_batch_size), *batch_changes(cfg.batch_schedule)]
+
+
 class EpochClock:
     """Optimizer steps of each epoch when the global batch may change between epochs: an epoch of
     N images at global batch B has N // B steps (a last partial batch is dropped)."""
@@ -52,9 +57,16 @@ class EpochClock:
     def __init__(self, train_images: int, global_batch: int, changes=(), epochs: int = 1):
         self.train_images, self.epochs = train_images, epochs
         self.phases = [(0, global_batch), *changes]  # (epochs done, global batch from then on)
+        if any(batch > train_images for _, batch in self.phases):
+            raise ValueError(f"a global batch of {max(b for _, b in self.phases)} is more than the {train_images} "
+                             "training images; lower it")
         self.first = [0]  # first[e]: optimizer steps before epoch e
         for epoch in range(epochs):
             self.first.append(self.first[-1] + self.steps_in(epoch))
+
+    @classmethod
+    def of(cls, cfg, train_images: int) -> "EpochClock":
+        return cls(train_images, cfg.global_batch_size, batch_changes(cfg.batch_schedule), cfg.epochs)
 
     def global_batch(self, epoch: int) -> int:
         return [batch for done, batch in self.phases if epoch >= done][-1]
@@ -109,7 +121,8 @@ class SgdShareRamp:
 
 
 class Schedule:
-    """Warmup from `start_lr` to the peak over `warmup_steps` steps, then `decayed(step, peak)`."""
+    """Warmup from `start_lr` over `warmup_steps` steps to decayed(warmup_steps, peak) (the peak
+    itself unless a decay step or phase falls inside the warmup), then `decayed(step, peak)`."""
     start_lr = 0.0
     augment_off_epoch = 0  # from this epoch on (1-based), no augmentation; 0: never
     share = None  # SgdShareRamp of a blended optimizer
@@ -144,8 +157,8 @@ class Schedule:
 
     def lr(self, step: int) -> float:
         peak = self.peak(step)
-        if step <= self.warmup_steps:
-            return self.start_lr + (peak - self.start_lr) * step / self.warmup_steps
+        if step <= self.warmup_steps:  # up to where the schedule stands at the warmup's end
+            return self.start_lr + (self.decayed(self.warmup_steps, peak) - self.start_lr) * step / self.warmup_steps
         return self.decayed(step, peak)
 
     __call__ = lr

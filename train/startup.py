@@ -16,7 +16,7 @@ from train import checkpoint, engines
 from train.config import Config, UsageError, to_dict
 from train.precision import Precision
 from train.rules import batch_sizes, lr_and_warmup
-from train.schedule import batch_changes
+from train.schedule import EpochClock, batch_phases
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
@@ -70,13 +70,27 @@ def checked_setup(cfg: Config, engine):
     _check_batch_phases(cfg, engine.world_size, loader.train_images)
     if engine.rank == 0:
         _check_out_dir(cfg)
+        if cfg.resume:
+            _check_resume_position(cfg, loader.train_images)
     return cfg, loader, precision, data_dir, note
+
+
+def _check_resume_position(cfg: Config, train_images: int) -> None:
+    """The saved step must sit where these batch settings put it: resuming with another global batch
+    or --batch-schedule would train the epoch's images twice or never, or never end the epoch."""
+    saved = checkpoint.peek(Path(cfg.out_dir) / "checkpoint.pt")
+    clock = EpochClock.of(cfg, train_images)
+    epoch, in_epoch = saved["epoch"], saved["step_in_epoch"]
+    if epoch < cfg.epochs and (saved["step"] != clock.first_step(epoch) + in_epoch or in_epoch > clock.steps_in(epoch)):
+        raise UsageError(f"{cfg.out_dir} stopped at step {saved['step']} (step {in_epoch} of epoch {epoch + 1}), which "
+                         "these batch settings do not reach that way; resume with the run's own --global-batch-size "
+                         "and --batch-schedule")
 
 
 def _check_batch_phases(cfg: Config, world_size: int, train_images: int) -> None:
     """Every global batch of --batch-schedule divides over the ranks, fits in the training set, and
     splits into whole --bn-group-size groups."""
-    for _, batch in [(0, cfg.global_batch_size), *batch_changes(cfg.batch_schedule)]:
+    for _, batch in batch_phases(cfg):
         if batch % world_size:
             raise UsageError(f"--batch-schedule's global batch {batch} does not divide over {world_size} ranks; "
                              "choose multiples of the rank count")
@@ -86,6 +100,13 @@ def _check_batch_phases(cfg: Config, world_size: int, train_images: int) -> None
         if cfg.bn_group_size and cfg.bn_group_size < per_rank and per_rank % cfg.bn_group_size:
             raise UsageError(f"--bn-group-size {cfg.bn_group_size} does not divide the per-rank batch {per_rank}; "
                              "choose a divisor")
+
+
+def ghost_group(cfg: Config, world_size: int) -> int:
+    """--bn-group-size when it splits some phase's per-rank batch into groups, else 0: BN over the
+    whole per-rank batch is then plain BatchNorm, bit for bit."""
+    largest = max(batch for _, batch in batch_phases(cfg)) // world_size
+    return cfg.bn_group_size if 0 < cfg.bn_group_size < largest else 0
 
 
 def resolve_data_dir(cfg: Config) -> str:

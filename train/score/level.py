@@ -4,7 +4,11 @@ from dataclasses import asdict
 
 # The hyperparameters of the reference recipe: changing any of them moves a run to the system level.
 RECIPE_KEYS = ("optimizer", "global_batch_size", "epochs", "lr", "warmup_epochs", "end_lr", "lr_decay_power",
-               "weight_decay", "momentum", "lars_eta", "lars_epsilon", "label_smoothing")
+               "weight_decay", "momentum", "lars_eta", "lars_epsilon", "label_smoothing",
+               # the recipe mechanisms: any of them set differently is the system's own recipe
+               "lr_schedule", "batch_schedule", "warmup_start_lr", "lr_decay_epochs", "lr_decay_factor", "lr_phases",
+               "nesterov", "bn_group_size", "bn_recompute_batches", "augment_off_epoch", "sgd_share_center",
+               "sgd_share_width", "rmsprop_lr_ratio", "rmsprop_alpha", "rmsprop_epsilon")
 
 
 def hpc_ai500_level(config: dict) -> tuple[str, str]:

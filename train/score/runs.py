@@ -9,7 +9,8 @@ from train.score.logs import read_config, read_metrics, read_mllog, training_sec
 from train.score.mlperf import compliance
 
 # The settings that make runs one configuration for an MLPerf score.
-CONFIG_KEYS = ("arch", "image_size", "global_batch_size", "optimizer", "lr", "epochs", "warmup_epochs", "preset")
+CONFIG_KEYS = ("arch", "image_size", "global_batch_size", "optimizer", "lr", "epochs", "warmup_epochs", "preset",
+               "lr_schedule", "batch_schedule", "bn_group_size", "bn_recompute_batches", "augment_off_epoch")
 
 
 class ScoreError(Exception):
