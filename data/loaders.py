@@ -12,7 +12,8 @@ import torch
 from data.shards import ShardSamples
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
-from data.tree import DataError, is_shard_tree, list_samples
+from data.index import load_samples
+from data.tree import DataError, is_shard_tree
 
 @dataclass(frozen=True)
 class LoaderSettings:
@@ -45,11 +46,11 @@ EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre
 
 
 class FolderSource:
-    """The (image, label) samples of one split of an ImageFolder tree."""
+    """The (image, label) samples of one split of an ImageFolder tree, from its index (data/index.py)."""
 
     def __init__(self, split_dir: Path, classes: list[str]):
-        self.samples = list_samples(split_dir, classes)
-        self.targets = [label for _, label in self.samples]
+        self.samples = load_samples(split_dir, classes)
+        self.targets = self.samples.labels
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -60,7 +61,7 @@ class FolderSource:
             return f.read(), label
 
     def name(self, index: int) -> str:
-        return self.samples[index][0]
+        return self.samples.path(index)
 
 
 class ShardSource(ShardSamples):
@@ -141,7 +142,7 @@ class FileLoader(Loader):
                          len(self.train_source) // self.sampler.global_batch)
         self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
         if self.train_source.targets is not None:
-            counts = torch.bincount(torch.tensor(self.train_source.targets, dtype=torch.int64), minlength=len(classes))
+            counts = torch.bincount(torch.as_tensor(self.train_source.targets, dtype=torch.int64), minlength=len(classes))
             self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
 
     def set_batch_size(self, per_rank: int) -> None:

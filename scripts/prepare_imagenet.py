@@ -22,13 +22,16 @@ import re
 import shutil
 import sys
 import tarfile
+import time
 from collections import Counter
 from pathlib import Path
 
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from data.index import RACY_NS, load_samples  # noqa: E402
 from data.shards import write_shards  # noqa: E402
+from data.tree import check_tree  # noqa: E402
 
 OFFICIAL = {"train": 1_281_167, "val": 50_000, "classes": 1000}
 
@@ -164,6 +167,7 @@ def prepare(args) -> None:
         manifest.write("split\tpath\tbytes\tsha256\tnote\n")
         for part in sorted(manifests.glob("train-*.tsv")) + [manifests / "val.tsv"]:
             manifest.write(part.read_text())
+    write_index(out)
     print(f"prepared {counts['train']:,} training and {len(placed):,} validation images of "
           f"{counts['classes']} classes in {out}")
     if left_out:
@@ -172,6 +176,15 @@ def prepare(args) -> None:
     if args.shards:
         written = write_shards(out, out / "shards", args.shard_size)
         print(f"wrote shards of {written['train']:,} + {written['val']:,} samples to {out / 'shards'}")
+
+
+def write_index(out: Path) -> None:
+    """The sample index of both splits (data/index.py), so that no rank of a run walks the tree. An
+    index of folders changed within the last second is not trusted, hence the pause."""
+    time.sleep(RACY_NS / 1e9)
+    classes = check_tree(str(out))
+    for split in ("train", "val"):
+        load_samples(out / split, classes)
 
 
 def main() -> int:

@@ -98,7 +98,7 @@ def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
     loader = TorchLoader(cfg, check_tree(str(root)), 0, 1, torch.device("cpu"))
     assert check_tree(str(root)) == sorted(embedded.CLASSES)
     folders = [Path(path).parent.name for path, _ in loader.train_source.samples]
-    assert [sorted(embedded.CLASSES).index(f) for f in folders] == loader.train_source.targets
+    assert [sorted(embedded.CLASSES).index(f) for f in folders] == list(loader.train_source.targets)
     assert loader.steps_per_epoch == 60 // 8
     images, labels = next(iter(loader.train_batches(epoch=0)))
     assert images.shape == (8, 3, 32, 32) and images.dtype == torch.float32
@@ -109,4 +109,4 @@ def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
     assert torch.equal(images, again) and not torch.equal(images, other_epoch)
     # val: every image exactly once, with the label of its folder
     val_labels = torch.cat([y for _, y in loader.val_batches()])
-    assert val_labels.tolist() == loader.val_source.targets
+    assert val_labels.tolist() == loader.val_source.targets.tolist()

@@ -106,7 +106,7 @@ def test_class_names_with_spaces_and_non_ascii_survive_shards(tmp_path):
     assert (tmp_path / "shards" / "classes.txt").read_bytes() == "".join(f"{c}\n" for c in classes).encode("utf-8")
     for split in ("train", "val"):
         packed = ShardSamples(tmp_path / "shards" / split)
-        assert [packed.read(i)[1] for i in range(len(packed))] == FolderSource(tree / split, classes).targets
+        assert [packed.read(i)[1] for i in range(len(packed))] == FolderSource(tree / split, classes).targets.tolist()
     loader = TorchLoader(Config(data_dir=str(tmp_path / "shards"), image_size=16, batch_size=2, workers=1),
                          check_tree(str(tmp_path / "shards")), 0, 1, torch.device("cpu"))
     assert loader.num_classes == 4

@@ -83,7 +83,7 @@ def test_counts_that_differ_from_ilsvrc2012_are_an_error(archives):
     assert len(result.stderr.strip().splitlines()) == 1 and not (archives / "out").exists()
 
 
-def test_miniature_ilsvrc_becomes_an_imagefolder_tree_with_manifest_and_shards(archives):
+def test_miniature_ilsvrc_becomes_an_imagefolder_tree_with_manifest_and_shards(archives, monkeypatch):
     out = archives / "out"
     result = prepare(archives, out, "--allow-partial", "--shards", "--shard-size", "4")
     assert result.returncode == 0, result.stderr
@@ -105,6 +105,13 @@ def test_miniature_ilsvrc_becomes_an_imagefolder_tree_with_manifest_and_shards(a
         assert int(size) == len(payload) and sha == hashlib.sha256(payload).hexdigest()
     assert sum("converted" in line for line in manifest) == 2
     assert check_tree(str(out / "shards")) == WNIDS and len(list((out / "shards" / "train").glob("*.tar"))) == 4
+    # the sample index of both splits is written and trusted: a run lists neither split again
+    import data.index
+
+    def no_walk(*args):
+        raise AssertionError("walked the tree")
+    monkeypatch.setattr(data.index, "list_samples", no_walk)
+    assert [len(data.index.load_samples(out / split, WNIDS)) for split in ("train", "val")] == [14, 6]
 
 
 def test_an_interrupted_preparation_resumes_without_redoing_finished_classes(archives):

@@ -65,7 +65,7 @@ def test_dali_reads_the_shards_with_their_labels(tree, shards):
     pipe.build()
     images, labels = pipe.run()
     folder = FolderSource(tree / "val", check_tree(str(tree)))
-    assert [int(bytes(labels.at(i))) for i in range(30)] == folder.targets
+    assert [int(bytes(labels.at(i))) for i in range(30)] == folder.targets.tolist()
     assert all(images.at(i).shape[2] == 3 for i in range(30))
 
 
