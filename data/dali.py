@@ -3,31 +3,86 @@ hardware JPEG decoder where the GPU has one, ROI decoding of the random crop), o
 machine the same pipeline with CPU operators (device_id=None).
 
 Which files each rank reads, and in which order, comes from the same sampler as the torch loader
-(data/sharding.py): the pipeline's external source hands DALI the encoded bytes of exactly this
-rank's slice of each global batch. Batches come out normalised, channels_last, on the device.
-Augmentation randomness is DALI's own (seeded per rank and epoch), so bit-exact resume is a
-property of the torch loader only.
-"""
+(data/sharding.py). Training files are read and checked off the training thread: a parallel external
+source runs `TrainReader` (data/dali_reader.py, no torch) in DALI's reader processes (`--workers` of
+them, started with 'spawn'), a batch per call; each call takes its files from the pass it belongs to
+(this rank's order for the epoch and the first step, which the main process writes into a small
+shared record before the pass) and the batch's place in it. The pipelines are built once per run (again only when batch-size control
+changes the per-rank batch) and keep BATCHES_AHEAD batches under way. Evaluation reads (50,000 files
+against the training split's 1.28 million, and not every epoch) stay on the main thread, in a
+pipeline also built once, so that no second set of reader processes is kept for them.
 
+Batches come out normalised, channels_last, on the device. Augmentation randomness is DALI's own,
+seeded per rank and by the first epoch the run trains, so bit-exact resume is a property of the torch
+loader only. Since the readers are spawned processes, a script that builds this loader needs the
+`if __name__ == "__main__":` guard (python -m train has it).
+"""
 import numpy as np
 import torch
 
-from data.decode import complete_jpeg, complete_png
-from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader, first_readable
-from data.sharding import epoch_seed
+from data.dali_reader import PassRecord, TrainReader, encoded, packed
+from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader
+from data.sharding import epoch_permutation, epoch_seed
+
+BATCHES_AHEAD = 2  # decoded batches DALI keeps ready, and batches of files its readers keep ready
+_BYTES_PER_SAMPLE = 1 << 17  # ImageNet's JPEGs average about 110 KB; DALI grows its buffers past it
 
 
-def _encoded(source, index: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """(the file's bytes, its label) as DALI takes them, or None when DALI could not decode the file:
-    empty, unreadable, not JPEG or PNG, or truncated (a DALI decoder error would stop the whole
-    pipeline, so files are checked first)."""
-    try:
-        payload, label = source.read(index)
-    except OSError:
-        return None
-    if not (complete_jpeg(payload) or complete_png(payload)):
-        return None
-    return np.frombuffer(payload, dtype=np.uint8), np.array(label, dtype=np.int64)
+# the main process's side of a pipeline ------------------------------------------------------------
+class _Passes:
+    """A pipeline built once and run pass after pass: DALI ends a pass when its source raises
+    StopIteration, and reset() readies the next. A pass left unfinished (the loop stopped early) is
+    closed when the next begins: its source is told to stop and the batches under way are drained."""
+
+    def __init__(self, pipe, stop_source):
+        self.pipe, self.stop_source, self.count, self.current = pipe, stop_source, 0, None
+        pipe.build()
+
+    def begin(self) -> object:
+        """Close an unfinished pass; a token for the pass now beginning (the count is DALI's epoch index)."""
+        if self.current is not None:
+            self.stop_source()
+            for _ in self.outputs(self.current):
+                pass
+        self.current = object()
+        return self.current
+
+    def outputs(self, token):
+        """The pipeline's outputs until the pass ends; nothing once a newer pass has begun."""
+        while self.current is token:
+            try:
+                outputs = self.pipe.run()
+            except StopIteration:
+                self.pipe.reset()
+                self.count, self.current = self.count + 1, None
+                return
+            except Exception as err:  # a reader's DataError (no readable file at all), as the loop expects it
+                last, raised = str(err).strip().rpartition("\n")[2], f"{DataError.__module__}.{DataError.__name__}: "
+                if last.startswith(raised):
+                    raise DataError(last[len(raised):]) from err
+                raise
+            yield outputs
+
+
+class _Pull:
+    """A main-thread batch source: the next batch of the current pass's feed."""
+
+    def __init__(self):
+        self.feed = iter(())
+
+    def __call__(self):
+        return next(self.feed)
+
+    def stop(self) -> None:
+        self.feed = iter(())
+
+
+def _parallel_source(fn, types, reader: TrainReader, workers: int):
+    """(encoded bytes, meta) from `reader` in DALI's reader processes: a whole batch per call, so the
+    main process takes meta as one array; enough batches under way to keep every reader busy."""
+    return fn.external_source(source=reader, num_outputs=2, dtype=[types.UINT8, types.INT64], parallel=True,
+                              batch=True, batch_info=True, prefetch_queue_depth=max(BATCHES_AHEAD, workers),
+                              bytes_per_sample_hint=_BYTES_PER_SAMPLE)
 
 
 class DaliLoader(FileLoader):
@@ -40,39 +95,47 @@ class DaliLoader(FileLoader):
         self.fn, self.types, self.device, self.cfg, self.rank = fn, types, device, cfg, rank
         gpu = device.type == "cuda"
         self.pipeline_kwargs = dict(num_threads=max(1, cfg.workers), device_id=device.index if gpu else None,
-                                    prefetch_queue_depth=1)
+                                    prefetch_queue_depth=BATCHES_AHEAD)
         self.decode_device = "mixed" if gpu else "cpu"
         # batches in the training precision where DALI has it: fp16 (V100s); DALI has no bf16, so
         # bf16 and fp32 runs get fp32 and autocast casts at the first convolution
         self.half = gpu and cfg.precision == "fp16"
         self.out_type = types.FLOAT16 if self.half else types.FLOAT
         self.pipeline_def = pipeline_def
+        self.builds = 0  # pipelines built (once per run and kind, again when the per-rank batch changes)
+        self.passes = {}  # augment (True | False) -> (per-rank batch, _Passes, PassRecord) of the training pipelines
+        self.val_passes, self.val_pull = None, _Pull()
+        self.reader_source = None  # the training split as the reader processes get it, packed once
 
-    # the two pipelines -------------------------------------------------------------------------
-    def _train_pipeline(self, feed, seed):
+    # the pipelines -----------------------------------------------------------------------------
+    def _pipeline(self, source, batch_size, seed, augment, parallel=False):
+        """The graph on (encoded bytes, meta) from `source`: with `augment` a random-resized crop and
+        flip, else the evaluation transform (resize and centre crop). Outputs (images, meta)."""
+        fn, types = self.fn, self.types
+        readers = dict(py_num_workers=max(1, self.cfg.workers), py_start_method="spawn") if parallel else {}
+
+        @self.pipeline_def(batch_size=batch_size, seed=seed, **self.pipeline_kwargs, **readers)
+        def pipeline():
+            jpegs, meta = _parallel_source(fn, types, source, self.cfg.workers) if parallel else \
+                fn.external_source(source=source, num_outputs=2, dtype=[types.UINT8, types.INT64], batch=True)
+            return (self._train_transform(jpegs) if augment else self._eval_transform(jpegs)), meta
+        self.builds += 1
+        return pipeline()
+
+    def _train_transform(self, jpegs):
         fn, types, cfg = self.fn, self.types, self.cfg
+        images = fn.decoders.image_random_crop(jpegs, device=self.decode_device, output_type=types.RGB,
+                                               random_area=[cfg.crop_min_scale, cfg.crop_max_scale],
+                                               random_aspect_ratio=[cfg.crop_min_aspect, cfg.crop_max_aspect],
+                                               num_attempts=100)
+        images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, antialias=True)
+        return self._normalise(images, mirror=fn.random.coin_flip())
 
-        @self.pipeline_def(batch_size=self.sampler.batch_size, seed=seed, **self.pipeline_kwargs)
-        def train():
-            jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
-            images = fn.decoders.image_random_crop(jpegs, device=self.decode_device, output_type=types.RGB,
-                                                   random_area=[cfg.crop_min_scale, cfg.crop_max_scale],
-                                                   random_aspect_ratio=[cfg.crop_min_aspect, cfg.crop_max_aspect],
-                                                   num_attempts=100)
-            images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, antialias=True)
-            return self._normalise(images, mirror=fn.random.coin_flip()), labels
-        return train()
-
-    def _eval_pipeline(self, feed, batch_size):
+    def _eval_transform(self, jpegs):
         fn, types, cfg = self.fn, self.types, self.cfg
-
-        @self.pipeline_def(batch_size=batch_size, seed=0, **self.pipeline_kwargs)
-        def evaluate():
-            jpegs, labels = fn.external_source(source=feed, num_outputs=2, batch=True, dtype=[types.UINT8, types.INT64])
-            images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB)
-            images = fn.resize(images, resize_shorter=round(cfg.image_size / EVAL_CROP_FRACTION), antialias=True)
-            return self._normalise(images, crop=(cfg.image_size, cfg.image_size)), labels
-        return evaluate()
+        images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB)
+        images = fn.resize(images, resize_shorter=round(cfg.image_size / EVAL_CROP_FRACTION), antialias=True)
+        return self._normalise(images, crop=(cfg.image_size, cfg.image_size))
 
     def _normalise(self, images, **crop_or_mirror):
         """(x - mean) / std in the batch's type, HWC; with a centre crop or a random mirror."""
@@ -80,58 +143,81 @@ class DaliLoader(FileLoader):
                                             mean=[m * 255 for m in IMAGENET_MEAN], std=[s * 255 for s in IMAGENET_STD],
                                             **crop_or_mirror)
 
-    # feeding: this rank's files, bad ones skipped and counted --------------------------------------
-    def _train_feed(self, batches):
-        counted = set()  # this epoch's unreadable files, each counted once
-        for batch in batches:
-            payloads, labels = [], []
-            for index, _ in batch:  # as the torch loader: the next readable file takes a bad one's place
-                (payload, label), skipped = first_readable(self.train_source, index,
-                                                           lambda position: _encoded(self.train_source, position))
-                self._note_skipped(skipped, counted)
-                payloads.append(payload)
-                labels.append(label)
-            yield payloads, labels
+    def _training_passes(self, augment: bool, epoch: int) -> tuple[_Passes, PassRecord]:
+        """The training pipeline of this kind for the current per-rank batch, built on first use."""
+        batch_size = self.sampler.batch_size
+        if augment in self.passes and self.passes[augment][0] == batch_size:
+            return self.passes[augment][1:]
+        self.passes.pop(augment, None)  # a batch-size change: the old pipeline and its readers go
+        if self.reader_source is None:
+            self.reader_source = packed(self.train_source)
+        record = PassRecord(self.steps_per_epoch, batch_size)
+        seed = (epoch_seed(self.cfg.seed, epoch) * 1009 + self.rank) % (1 << 31)  # DALI's own, per rank
+        pipe = self._pipeline(TrainReader(self.reader_source, record), batch_size, seed, augment,
+                              parallel=True)
+        passes = _Passes(pipe, record.stop)
+        record.remove()  # the readers have it mapped now
+        self.passes[augment] = (batch_size, passes, record)
+        return passes, record
 
-    def _run(self, pipe):
-        """Batches until the feed runs out (DALI passes the feed's StopIteration on from run())."""
-        pipe.build()
-        while True:
-            try:
-                images, labels = pipe.run()
-            except StopIteration:
-                return
-            images = torch.as_tensor(np.asarray(images.as_cpu().as_tensor())) if self.device.type == "cpu" else \
-                _dali_to_torch(images.as_tensor(), self.device, torch.float16 if self.half else torch.float32)
-            labels = torch.as_tensor(np.asarray(labels.as_cpu().as_tensor())).reshape(-1).to(self.device)
-            # DALI gives NHWC; as NCHW with channels_last strides this is the layout the model wants
-            yield images.permute(0, 3, 1, 2), labels
+    # batches -------------------------------------------------------------------------------------
+    def _batch(self, images, meta):
+        """DALI's outputs as the loop's (images, labels), and meta as an array of (label, file, skipped)."""
+        meta = np.asarray(meta.as_tensor())
+        images = torch.as_tensor(np.asarray(images.as_cpu().as_tensor())) if self.device.type == "cpu" else \
+            _dali_to_torch(images.as_tensor(), self.device, torch.float16 if self.half else torch.float32)
+        labels = torch.as_tensor(np.ascontiguousarray(meta[:, 0])).to(self.device)
+        # DALI gives NHWC; as NCHW with channels_last strides this is the layout the model wants
+        return images.permute(0, 3, 1, 2), labels, meta
 
     def train_batches(self, epoch, start_step=0, augment=True):
+        """This rank's batches of the epoch (augment=False: the evaluation transform on the training
+        files). The sampler is set as the torch loader sets it, though only the readers use its order."""
         self.sampler.epoch, self.sampler.start_step = epoch, start_step
-        feed = self._train_feed(iter(self.sampler))
-        if not augment:  # the evaluation transform on the training files
-            return self._run(self._eval_pipeline(lambda: next(feed), self.sampler.batch_size))
-        seed = (epoch_seed(self.cfg.seed, epoch) * 1009 + self.rank) % (1 << 31)  # DALI's own per rank and epoch
-        return self._run(self._train_pipeline(lambda: next(feed), seed))
+        return self._train_pass(epoch, start_step, bool(augment))
+
+    def _rank_order(self, epoch: int) -> np.ndarray:
+        """This rank's files of the epoch, steps x batch: its slice of every global batch of the
+        epoch's permutation (TrainBatchSampler's order)."""
+        sampler, steps = self.sampler, self.steps_per_epoch
+        order = epoch_permutation(sampler.num_items, sampler.seed, epoch)[:steps * sampler.global_batch].numpy()
+        first = sampler.rank * sampler.batch_size
+        return order.reshape(steps, sampler.global_batch)[:, first:first + sampler.batch_size]
+
+    def _train_pass(self, epoch, start_step, augment):
+        passes, record = self._training_passes(augment, epoch)
+        token = passes.begin()
+        record.start(passes.count, self._rank_order(epoch), start_step)
+        counted = set()  # this epoch's unreadable files, each counted once
+        count = len(self.train_source)
+        for images, meta in passes.outputs(token):
+            images, labels, meta = self._batch(images, meta)
+            for _, index, skipped in meta[meta[:, 2] > 0].tolist():
+                self._note_skipped([self.train_source.name((index + k) % count) for k in range(skipped)], counted)
+            yield images, labels
 
     def _eval_feed(self):
         counted = set()
         for batch in self.eval_batches:
-            payloads, labels = [], []
+            payloads, meta = [], []
             for index in batch:
-                sample = _encoded(self.val_source, index)
+                sample = encoded(self.val_source, index)
                 if sample is None:  # counted, not evaluated
                     self._note_skipped([self.val_source.name(index)], counted)
                     continue
                 payloads.append(sample[0])
-                labels.append(sample[1])
+                meta.append(np.array([sample[1], index, 0], dtype=np.int64))
             if payloads:
-                yield payloads, labels
+                yield payloads, meta
 
     def val_batches(self):
-        feed = self._eval_feed()
-        return self._run(self._eval_pipeline(lambda: next(feed), self.cfg.batch_size))
+        if self.val_passes is None:
+            self.val_passes = _Passes(self._pipeline(self.val_pull, self.cfg.batch_size, 0, augment=False),
+                                      self.val_pull.stop)
+        token = self.val_passes.begin()
+        self.val_pull.feed = self._eval_feed()
+        for images, meta in self.val_passes.outputs(token):
+            yield self._batch(images, meta)[:2]
 
 
 def _dali_to_torch(tensor, device, dtype):

@@ -13,20 +13,10 @@ import numpy as np
 import torch
 from PIL import Image
 
-JPEG_START, JPEG_END, PNG_START = b"\xff\xd8", b"\xff\xd9", b"\x89PNG"
-
+from data.sources import complete_jpeg
 
 class BadImage(Exception):
     """A file that is no readable image (zero bytes, truncated, not an image at all)."""
-
-
-def complete_jpeg(payload: bytes) -> bool:
-    """A JPEG that still ends with its EOI marker (entropy-coded data never contains one)."""
-    return payload[:2] == JPEG_START and JPEG_END in payload[-1024:]
-
-
-def complete_png(payload: bytes) -> bool:
-    return payload[:4] == PNG_START and b"IEND" in payload[-16:]
 
 
 def load_rgb(path, name: str | None = None) -> Image.Image:

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
-from data.shards import ShardSamples
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
-from data.index import load_samples
-from data.tree import DataError, is_shard_tree
+from data.sources import FolderSource, ShardSource, first_readable, open_split  # noqa: F401 (the loaders' names)
+from data.tree import DataError
 
 @dataclass(frozen=True)
 class LoaderSettings:
@@ -43,49 +42,6 @@ IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre crop
 
-
-
-class FolderSource:
-    """The (image, label) samples of one split of an ImageFolder tree, from its index (data/index.py)."""
-
-    def __init__(self, split_dir: Path, classes: list[str]):
-        self.samples = load_samples(split_dir, classes)
-        self.targets = self.samples.labels
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def read(self, index: int) -> tuple[bytes, int]:
-        path, label = self.samples[index]
-        with open(path, "rb") as f:
-            return f.read(), label
-
-    def name(self, index: int) -> str:
-        return self.samples.path(index)
-
-
-class ShardSource(ShardSamples):
-    """The (image, label) samples of one split's tar shards."""
-    targets = None  # labels live inside the shards; reading them all up front would cost a pass
-
-
-def first_readable(source, index: int, attempt):
-    """(attempt(position), names skipped) for the first position from `index` on (wrapping round the
-    split) whose file `attempt` can use; `attempt` returns None for an unreadable file. A skipped
-    file's neighbour takes its place with its own label, so a batch keeps its size."""
-    skipped = []
-    for offset in range(len(source)):
-        position = (index + offset) % len(source)
-        value = attempt(position)
-        if value is not None:
-            return value, skipped
-        skipped.append(source.name(position))
-    raise DataError("no readable training image at all")
-
-
-def open_split(root: Path, split: str, classes: list[str]):
-    """The samples of one split: tar shards when the folder holds them, else an ImageFolder tree."""
-    return ShardSource(root / split) if is_shard_tree(root) else FolderSource(root / split, classes)
 
 
 class Loader:

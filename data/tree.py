@@ -4,8 +4,6 @@ class names and the one listing of its samples."""
 import os
 from pathlib import Path
 
-import torchvision
-
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 
 
@@ -65,6 +63,8 @@ def list_samples(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
     same samples. torchvision's ImageFolder rule: class by class, each class folder walked with its
     subfolders (symlinks followed), names sorted, every file with an image extension. A file that
     turns out unreadable (a broken link, zero bytes) stays a sample: the loaders skip and count it."""
+    import torchvision  # here, not above: DALI's reader processes import this module without torch
+
     class_to_idx = {c: i for i, c in enumerate(classes)}
     return torchvision.datasets.folder.make_dataset(str(split_dir), class_to_idx, extensions=IMAGE_EXTENSIONS,
                                                     allow_empty=True)
