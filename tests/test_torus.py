@@ -63,8 +63,9 @@ def test_torus_equals_flat_and_hierarchical_and_takes_both_directions_at_once(en
         for r in rows:
             assert rank["torus"][str(r)]["vs_flat"] <= 1e-5, (rank["rank"], r)
         assert rank["torus"]["2"]["vs_hierarchical"] <= 1e-5  # rows = ranks per node
-    # Horovod sums the first step with an all-reduce (its reducescatter is unreliable on gloo)
-    first = "reduce_scatter" if engine == "torch" else "all_reduce"
+    # the first step's reduce-scatter: on torch an all-to-all and a local sum (gloo's reduce-scatter
+    # has no future to chain on), on Horovod an all-reduce (its reducescatter is unreliable on gloo)
+    first = "all_to_all" if engine == "torch" else "all_reduce"
     for r, by_rows in routes.items():
         for r_rows, (line, column) in by_rows.items():
             assert ranks[r]["torus"][str(r_rows)]["events"] == expected_events(first, line, column), (r, r_rows)

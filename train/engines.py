@@ -181,11 +181,16 @@ class _Topology:
             return model  # untouched: plain BatchNorm2d, bit for bit
         return convert_batchnorm(model, self._bn_all_reduce(span), span, ghost)
 
-    def _two_level_routes(self) -> list[tuple[tuple, tuple]]:
-        """The routes of --allreduce hierarchical (lines are nodes) or torus (lines of --torus-rows, 0:
-        the ranks per node), after every rank has created every line's and column's group alike."""
+    def _two_level_grid(self) -> tuple[int, list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """(rows, lines, columns) of --allreduce hierarchical (lines are nodes) or torus (lines of
+        --torus-rows, 0: the ranks per node)."""
         rows = (self.cfg.torus_rows if self.cfg.allreduce == "torus" else 0) or self.local_size
-        lines, columns = torus_grid(self.world_size, rows)
+        return (rows, *torus_grid(self.world_size, rows))
+
+    def _two_level_routes(self) -> list[tuple[tuple, tuple]]:
+        """The routes of the two-level all-reduce (_two_level_grid), after every rank has created every
+        line's and column's group alike."""
+        rows, lines, columns = self._two_level_grid()
         for ranks in lines + columns:
             if len(ranks) > 1:  # a one-rank group has nothing to exchange: its steps are skipped
                 self._group(ranks)
@@ -262,7 +267,7 @@ class TorchDistributed(_Topology):
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                       gradient_as_bucket_view=True, **kwargs)
         if self.cfg.allreduce != "flat":
-            ddp.register_comm_hook(self._two_level_routes(), self._two_level_hook)
+            ddp.register_comm_hook(self._two_level_state(), self._two_level_hook)
         elif self.cfg.fp16_allreduce:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
@@ -278,37 +283,70 @@ class TorchDistributed(_Topology):
     def unwrap(self, model):
         return model.module
 
-    def _two_level_hook(self, routes, bucket):
-        """Two-level all-reduce of one gradient bucket, as a DDP comm hook (state: two_level_routes).
-        The bucket is cut into one part per route (torus: two halves), each padded to a multiple of
-        its scatter group; each step (reduce-scatter, all-reduce of the shard, all-gather) is issued
-        for every part before any is awaited, so the torus's two directions are in flight together.
-        It waits inside, so backward pauses while a bucket travels (the same as the hierarchical hook
-        did; overlapping it with backward is left to later work)."""
-        flat = bucket.buffer()
-        wire = flat.to(torch.float16) if self.cfg.fp16_allreduce else flat
-        parts = wire.tensor_split(len(routes))
-        padded = [torch.nn.functional.pad(part, (0, (-part.numel()) % len(scatter)))
-                  for part, (scatter, _) in zip(parts, routes)]
-        shards = [whole if len(scatter) == 1 else whole.new_empty(whole.numel() // len(scatter))
-                  for whole, (scatter, _) in zip(padded, routes)]
-        reduce_scatter = getattr(self.dist, "reduce_scatter_single", None) or self.dist.reduce_scatter_tensor
-        all_gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+    def _two_level_state(self) -> "_TwoLevelHookState":
+        """The hook's state: the routes, whose groups carry step 1, and a second group for every line and
+        column, for steps 2 and 3 (every rank creates every group, in the same order)."""
+        routes = self._two_level_routes()
+        _, lines, columns = self._two_level_grid()
+        for ranks in lines + columns:
+            if len(ranks) > 1 and ("later", ranks) not in self._groups:
+                self._groups[("later", ranks)] = self.dist.new_group(list(ranks))
 
-        def together(issue, which: int) -> None:
-            """One step for every part over its route's group `which` (0: scatter, 1: reduce), all
-            issued before the first wait; one-rank groups have nothing to exchange."""
-            works = [issue(whole, shard, self._groups[route[which]])
-                     for whole, shard, route in zip(padded, shards, routes) if len(route[which]) > 1]
-            for work in works:
-                work.wait()
-        together(lambda whole, shard, group: reduce_scatter(shard, whole, group=group, async_op=True), 0)
-        together(lambda whole, shard, group: self.dist.all_reduce(shard, group=group, async_op=True), 1)
-        together(lambda whole, shard, group: all_gather(whole, shard, group=group, async_op=True), 0)
-        flat.copy_(torch.cat([whole[:part.numel()] for whole, part in zip(padded, parts)])).div_(self.world_size)
-        future = torch.futures.Future()
-        future.set_result(flat)
-        return future
+        def groups(which: int, later: bool) -> list:
+            """Per route, the group of its scatter (0) or reduce (1) ranks: step 1's, or the second one."""
+            keys = [("later", route[which]) if later else route[which] for route in routes]
+            return [self._groups[key] if len(route[which]) > 1 else None for key, route in zip(keys, routes)]
+        return _TwoLevelHookState(routes, [groups(0, False), groups(1, True), groups(0, True)])
+
+    def _two_level_hook(self, state: "_TwoLevelHookState", bucket):
+        """Two-level all-reduce of one gradient bucket, as a DDP comm hook (state: _two_level_state).
+        The bucket is cut into one part per route (torus: two halves), each padded to a multiple of its
+        scatter group; each step (reduce-scatter, all-reduce of the shard, all-gather) is issued for
+        every part before any is chained on, so the torus's two directions are in flight together.
+        Nothing waits here: step 1 is issued now, steps 2 and 3 by callbacks when the step before has
+        completed (step 2 also after the previous bucket's step 3 was issued: _TwoLevelHookState), and
+        the returned future completes with the averaged bucket, so backward goes on meanwhile.
+        The reduce-scatter is an all-to-all of the part's chunks and a sum of the chunks received:
+        gloo's reduce-scatter gives no future to chain on (Work::getFuture not implemented)."""
+        flat = bucket.buffer()
+        parts = flat.tensor_split(len(state.routes))
+        padded, inboxes, shards = state.scratch(bucket.index(), parts,
+                                                torch.float16 if self.cfg.fp16_allreduce else flat.dtype)
+        for whole, part in zip(padded, parts):
+            whole[:part.numel()].copy_(part)  # the padding stays zero: sums of zeros
+        all_gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
+        dist, (first, second, third) = self.dist, state.step_groups
+        result = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
+        previous, state.issued = state.issued, torch.futures.Future()
+        issued = state.issued
+
+        def together(issue, groups) -> list:
+            """One step for every part (issue(part index, group)), all issued before any is chained on:
+            their futures. A one-rank group (None) has nothing to exchange."""
+            works = [issue(i, group) for i, group in enumerate(groups) if group]
+            return [work.get_future() for work in works]
+
+        def finish() -> None:
+            for whole, part in zip(padded, parts):
+                part.copy_(whole[:part.numel()])
+            result.set_result(flat.div_(self.world_size))  # after --fp16-allreduce's parts are back in fp32
+
+        def gather() -> None:
+            gathered = together(lambda i, group: all_gather(padded[i], shards[i], group=group, async_op=True), third)
+            issued.set_result(None)  # the next bucket's step 2 may be issued now
+            _when_done(gathered, finish, result)
+
+        def reduce() -> None:
+            for inbox, shard in zip(inboxes, shards):
+                if inbox is not None:  # every scatter rank's chunk of this rank's shard: their sum
+                    torch.sum(inbox.view(-1, shard.numel()), 0, out=shard)
+            reduced = together(lambda i, group: dist.all_reduce(shards[i], group=group, async_op=True), second)
+            _when_done(reduced, gather, result, issued)
+
+        scattered = together(lambda i, group: dist.all_to_all_single(inboxes[i], padded[i], group=group, async_op=True),
+                             first)
+        _when_done([*scattered, previous], reduce, result, issued)
+        return result
 
     def all_reduce_sum(self, tensor):
         self.dist.all_reduce(tensor)
@@ -336,6 +374,54 @@ class TorchDistributed(_Topology):
         self.dist.destroy_process_group()
 
 
+class _TwoLevelHookState:
+    """The DDP hook's state for the two-level all-reduce: this rank's routes and, per step, each route's
+    group (None: one rank, nothing to exchange). A gloo group's collectives must be issued in the same
+    order on every rank, and completion callbacks fire in whatever order collectives complete, on
+    gloo's threads. So step 1 goes on the groups the hook's thread uses (in bucket order, as DDP calls
+    the hook on every rank; BatchNorm's span groups share them from the same thread), and steps 2 and
+    3 on a second group per line and column, issued in one order on every rank: bucket i's step 2
+    waits for `issued`, which completes once bucket i-1's step 3 has been issued."""
+
+    def __init__(self, routes: list[tuple[tuple, tuple]], step_groups: list[list]):
+        self.routes, self.step_groups = routes, step_groups
+        self.issued = torch.futures.Future()
+        self.issued.set_result(None)  # no bucket before the first
+        self._scratch = {}
+
+    def scratch(self, index: int, parts: list[torch.Tensor], dtype: torch.dtype) -> tuple[list, list, list]:
+        """Bucket `index`'s buffers, per part: the part padded to a multiple of its scatter group, the
+        inbox of its all-to-all (None: one rank) and this rank's shard. Kept from step to step: fresh
+        buffers every step cost the CPU more (page faults) than the copies into them; made again when
+        DDP rebuilds its buckets (after the first step, in the order gradients became ready)."""
+        key = ([part.numel() for part in parts], dtype, parts[0].device)
+        if index not in self._scratch or self._scratch[index][0] != key:
+            padded = [parts[0].new_zeros(part.numel() + (-part.numel()) % len(scatter), dtype=dtype)
+                      for part, (scatter, _) in zip(parts, self.routes)]
+            inboxes = [None if len(scatter) == 1 else torch.empty_like(whole)
+                       for whole, (scatter, _) in zip(padded, self.routes)]
+            shards = [whole if inbox is None else whole.new_empty(whole.numel() // len(scatter))
+                      for whole, inbox, (scatter, _) in zip(padded, inboxes, self.routes)]
+            self._scratch[index] = (key, (padded, inboxes, shards))
+        return self._scratch[index][1]
+
+
+def _when_done(futures: list, then, *waiting) -> None:
+    """Calls then() once every future has completed, from the thread that completes the last (no
+    thread blocks). A failed collective's error, or then()'s, goes to the futures in `waiting` that are
+    not done yet: nothing else would ever complete them."""
+    def run(all_done) -> None:
+        try:
+            for future in all_done.value():
+                future.wait()  # raises a failed collective's error; on CUDA, orders this stream after it
+            then()
+        except Exception as err:  # handed on to the futures that DDP and the later buckets wait on
+            for future in waiting:
+                if not future.done():
+                    future.set_exception(err)
+    torch.futures.collect_all(futures).then(run)
+
+
 class Horovod(_Topology):
     """Horovod: DistributedOptimizer (gradient all-reduce overlapped with backward), gloo/MPI/NCCL."""
     name = "horovod"
@@ -351,6 +437,10 @@ class Horovod(_Topology):
             # Horovod's background thread wakes every cycle; on CPU-only hosts its default 1 ms cycle
             # takes cycles from the compute threads (scripts/bench/scaling.py: 0.57 -> 0.8 efficiency)
             os.environ.setdefault("HOROVOD_CYCLE_TIME", "20")
+        if cfg.allreduce == "hierarchical" and torch.cuda.is_available() and hvd.nccl_built():
+            # read by hvd.init() only; Horovod ignores it on one node and without MPI (wrap() then takes
+            # the two-level optimizer: horovod_hierarchical)
+            os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         hvd.init()
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.device = _device(hvd.local_rank())
@@ -380,8 +470,11 @@ class Horovod(_Topology):
         # as an object: hvd.broadcast_optimizer_state would take a zero-gradient step, and LARS's
         # weight decay would then move the weights
         optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
-        if self.cfg.allreduce != "flat":
-            return model, TwoLevelHorovodOptimizer(optimizer, self, self._two_level_routes())
+        native = horovod_hierarchical(hvd.nccl_built(), hvd.mpi_enabled(), self.device.type,
+                                      self.world_size // hvd.local_size())
+        if self.cfg.allreduce == "torus" or (self.cfg.allreduce == "hierarchical" and not native):
+            return model, TwoLevelHorovodOptimizer(optimizer, self, self._two_level_routes(), list(model.parameters()))
+        # flat, or hierarchical as Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE (set before hvd.init())
         compression = _contiguous(hvd.Compression.fp16 if self.cfg.fp16_allreduce else hvd.Compression.none)
         return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                compression=compression, op=hvd.Average)
@@ -427,6 +520,14 @@ class Horovod(_Topology):
         self.hvd.shutdown()
 
 
+def horovod_hierarchical(nccl_built, mpi_enabled: bool, device_type: str, nodes: int) -> bool:
+    """Whether Horovod runs --allreduce hierarchical itself (HOROVOD_HIERARCHICAL_ALLREDUCE: NCCL inside
+    the node, MPI across nodes), rather than TwoLevelHorovodOptimizer: with NCCL built, under MPI, on
+    CUDA, over more than one node (Horovod's nodes: its local size, the real hosts). Elsewhere Horovod
+    ignores the variable: one node, or gloo (its NCCL hierarchical all-reduce is an MPI operation)."""
+    return bool(nccl_built) and bool(mpi_enabled) and device_type == "cuda" and nodes > 1
+
+
 def _contiguous(compression):
     """A Horovod compressor that first makes gradients contiguous: channels_last weights have
     channels_last gradients, and Horovod's collectives take contiguous tensors only."""
@@ -446,23 +547,70 @@ def _contiguous(compression):
     return Contiguous
 
 
-_TWO_LEVEL_CHUNK = 1 << 22  # elements per two-level message
+_TWO_LEVEL_BUCKET = 1 << 22  # elements per Horovod bucket: bounded messages
+_STEPS = ("sum", "reduce", "gather")  # the two-level steps on Horovod, in order
+
+
+class _Bucket:
+    """Parameters whose gradients travel together, and how far their two-level all-reduce has gone:
+    `step` indexes _STEPS (None: not started; len(_STEPS): done), `flight` holds that step's handle
+    per part (a one-rank set's part: the tensor itself, nothing to exchange)."""
+
+    def __init__(self, index: int, params: list):
+        self.index, self.params, self.ready = index, params, 0
+        self.step, self.flight, self.flat = None, [], None
+
+    def buffers(self, routes: list[tuple[tuple, tuple]], dtype: torch.dtype) -> None:
+        """`flat`: the bucket's gradients as one message, cut into `parts`, one per route; `padded`: each
+        part padded to a multiple of its scatter set, where steps 1 and 2 run in place. Made once and
+        kept: fresh buffers every step cost the CPU more (page faults) than the copies into them."""
+        if self.flat is None or self.flat.dtype != dtype:
+            first = self.params[0]
+            self.flat = first.new_empty(sum(p.numel() for p in self.params), dtype=dtype)
+            self.parts = self.flat.tensor_split(len(routes))
+            self.padded = [first.new_zeros(part.numel() + (-part.numel()) % len(scatter), dtype=dtype)
+                           for part, (scatter, _) in zip(self.parts, routes)]
+
+
+def _buckets(params, limit: int) -> list[_Bucket]:
+    """Consecutive parameters in buckets of at most `limit` elements (a larger parameter alone)."""
+    buckets, current, size = [], [], 0
+    for p in params:
+        if current and size + p.numel() > limit:
+            buckets.append(_Bucket(len(buckets), current))
+            current, size = [], 0
+        current.append(p)
+        size += p.numel()
+    if current:
+        buckets.append(_Bucket(len(buckets), current))
+    return buckets
 
 
 class TwoLevelHorovodOptimizer:
-    """Wraps an optimizer: before step(), gradients are averaged over Horovod process sets along
-    `routes` (two_level_routes): hierarchical sums inside the node, all-reduces each local rank's
-    shard across nodes among the ranks with the same local rank (inter-node traffic 1/ranks-per-node
-    of the gradients) and all-gathers the shards inside the node; torus does the same over the lines
-    and columns of its grid, the first half of every chunk rows-first and the second half
-    columns-first, both in flight at once (async).
+    """Wraps an optimizer: gradients are averaged over Horovod process sets along `routes`
+    (two_level_routes): hierarchical sums inside the node, all-reduces each local rank's shard across
+    nodes among the ranks with the same local rank (inter-node traffic 1/ranks-per-node of the
+    gradients) and all-gathers the shards inside the node; torus does the same over the lines and
+    columns of its grid, the first half of every bucket rows-first and the second half columns-first,
+    both in flight at once.
+    As Horovod's DistributedOptimizer, it starts during backward: the parameters (in the order of
+    `params`, the model's, else the optimizer's) fall into buckets in reverse order, as DDP's, and a
+    bucket's first step is issued when its last gradient is ready; synchronize() does the rest.
     The first sum is an all-reduce, not Horovod's reducescatter: on gloo with process sets, 0.28.1's
-    reducescatter returned wrong shards now and then (tests caught it).
-    Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE needs MPI + NCCL; this works on gloo too."""
+    reducescatter returned wrong shards now and then (tests caught it)."""
 
-    def __init__(self, optimizer, engine: Horovod, routes: list[tuple[tuple, tuple]]):
+    def __init__(self, optimizer, engine: Horovod, routes: list[tuple[tuple, tuple]], params=None,
+                 bucket_elements: int = _TWO_LEVEL_BUCKET):
         self.optimizer, self.engine, self.routes, self.hvd = optimizer, engine, routes, engine.hvd
         self._skip_synchronize = False
+        mine = [p for group in optimizer.param_groups for p in group["params"]]
+        known = {id(p) for p in mine}
+        in_model_order = [p for p in params or () if id(p) in known]
+        ordered = list({id(p): p for p in in_model_order + mine}.values())  # each once, the model's order first
+        self._buckets = _buckets([p for p in reversed(ordered) if p.requires_grad], bucket_elements)
+        for bucket in self._buckets:
+            for p in bucket.params:
+                p.register_post_accumulate_grad_hook(lambda _, bucket=bucket: self._gradient_ready(bucket))
 
     def __getattr__(self, name):  # param_groups, state, state_dict(), zero_grad(), ...
         return getattr(self.optimizer, name)
@@ -481,45 +629,86 @@ class TwoLevelHorovodOptimizer:
         finally:
             self._skip_synchronize = False
 
-    def _together(self, step: str, names: list[str], tensors: list[torch.Tensor], sets: list[tuple]) -> list:
-        """One step for every part (its name, tensor, and the ranks of its process set), all issued
-        before the first wait. A one-rank set has nothing to exchange. Names carry the set's id:
-        Horovod matches operations across sets by name."""
-        hvd, pending = self.hvd, []
-        for name, tensor, ranks in zip(names, tensors, sets):
-            if len(ranks) == 1:
-                pending.append(tensor)
-                continue
-            group = self.engine._group(ranks)  # created by _two_level_routes on every rank
-            tag = f"twolevel.{step}.ps{group.process_set_id}.{name}"
-            pending.append(hvd.allgather_async(tensor, process_set=group, name=tag) if step == "gather" else
-                           hvd.allreduce_async(tensor, op=hvd.Sum, process_set=group, name=tag))
-        return [p if isinstance(p, torch.Tensor) else hvd.synchronize(p) for p in pending]
+    def _gradient_ready(self, bucket: _Bucket) -> None:
+        """A parameter's gradient is complete (its post-accumulate-grad hook, during backward): issue its
+        bucket's first step once all the bucket's gradients are. Only that: what a rank issues during
+        backward must not depend on timing (say, on which steps have completed), because Horovod names
+        an operation issued without a name by a per-process counter of operations (BatchNorm's span
+        all-reduces in backward are such): ranks that issued different counts would wait for ever."""
+        if bucket.step is not None:
+            raise RuntimeError("a gradient was computed again before optimizer.synchronize(): the two-level "
+                               "all-reduce averages one backward pass per step")
+        bucket.ready += 1
+        if bucket.ready == len(bucket.params):
+            self._start(bucket)
 
     def synchronize(self) -> None:
-        """Average the gradients over all ranks, in place."""
-        e = self.engine
-        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        wire = flat.to(torch.float16) if e.cfg.fp16_allreduce else flat
-        names, parts, scatter, reduce = [], [], [], []
-        for i, chunk in enumerate(wire.split(_TWO_LEVEL_CHUNK)):  # bounded messages, one part per route each
-            for j, part in enumerate(chunk.tensor_split(len(self.routes))):
-                names.append(f"{i}.{j}")
-                parts.append(part)
-                scatter.append(self.routes[j][0])
-                reduce.append(self.routes[j][1])
-        padded = [torch.nn.functional.pad(part, (0, (-part.numel()) % len(ranks))) for part, ranks in zip(parts, scatter)]
-        sums = self._together("sum", names, padded, scatter)
-        shards = [t.view(len(ranks), -1)[ranks.index(e.rank)].clone() for t, ranks in zip(sums, scatter)]
-        shards = self._together("reduce", names, shards, reduce)
-        gathered = self._together("gather", names, shards, scatter)
-        whole = torch.cat([t[:part.numel()] for t, part in zip(gathered, parts)]).to(flat.dtype)
-        whole.div_(e.world_size)
+        """Average the gradients over all ranks, in place. Start the buckets backward has not (a parameter
+        without a gradient sends zeros), then take every bucket through its remaining steps: one step of
+        every bucket, in bucket order, before the next step, so that Horovod's thread runs one bucket's
+        next step while this one waits for the following bucket's."""
+        for bucket in self._buckets:
+            if bucket.step is None:
+                self._start(bucket)
+        for step in range(len(_STEPS)):
+            for bucket in self._buckets:
+                if bucket.step == step:
+                    self._next(bucket)
+        for bucket in self._buckets:
+            bucket.step, bucket.ready = None, 0
+
+    def _start(self, bucket: _Bucket) -> None:
+        """The bucket's gradients into its message (fp16 with --fp16-allreduce), each part into its padded
+        buffer (the padding stays zero: sums of zeros): issue step 1."""
+        bucket.buffers(self.routes, torch.float16 if self.engine.cfg.fp16_allreduce else bucket.params[0].dtype)
         offset = 0
-        for g in grads:
-            g.copy_(whole[offset:offset + g.numel()].view_as(g))
-            offset += g.numel()
+        for p in bucket.params:
+            into = bucket.flat[offset:offset + p.numel()].view(p.shape)
+            if p.grad is None:
+                into.zero_()
+            else:
+                into.copy_(p.grad)
+            offset += p.numel()
+        for whole, part in zip(bucket.padded, bucket.parts):
+            whole[:part.numel()].copy_(part)
+        self._issue(bucket, 0, bucket.padded)
+
+    def _issue(self, bucket: _Bucket, step: int, tensors: list[torch.Tensor]) -> None:
+        """Issue step `step` for every part of the bucket, all before any is waited on (Horovod's thread
+        runs them). A one-rank set has nothing to exchange. Names carry the set's id, the bucket and the
+        part: Horovod matches operations across ranks by name."""
+        hvd, name = self.hvd, _STEPS[step]
+        bucket.step, bucket.flight = step, []
+        for part, (tensor, route) in enumerate(zip(tensors, self.routes)):
+            ranks = route[1] if name == "reduce" else route[0]
+            if len(ranks) == 1:
+                bucket.flight.append(tensor)
+                continue
+            group = self.engine._group(ranks)  # created by _two_level_routes on every rank
+            tag = f"twolevel.{name}.ps{group.process_set_id}.{bucket.index}.{part}"
+            bucket.flight.append(hvd.allgather_async(tensor, process_set=group, name=tag) if name == "gather" else
+                                 hvd.allreduce_async_(tensor, op=hvd.Sum, process_set=group, name=tag))
+
+    def _next(self, bucket: _Bucket) -> None:
+        """Take the results of the bucket's step in flight (waiting for them if need be) and issue its
+        next step, or write the averaged gradients back after the last."""
+        results = [handle if isinstance(handle, torch.Tensor) else self.hvd.synchronize(handle)
+                   for handle in bucket.flight]
+        if bucket.step == 0:  # the sum over the scatter set, in place: this rank's shard of it goes on
+            rank = self.engine.rank
+            self._issue(bucket, 1, [total.view(len(scatter), -1)[scatter.index(rank)]
+                                    for total, (scatter, _) in zip(results, self.routes)])
+        elif bucket.step == 1:
+            self._issue(bucket, 2, results)
+        else:
+            for part, gathered in zip(bucket.parts, results):
+                part.copy_(gathered[:part.numel()])
+            offset = 0
+            for p in bucket.params:
+                if p.grad is not None:  # divided after --fp16-allreduce's message is back in the gradient's type
+                    p.grad.copy_(bucket.flat[offset:offset + p.numel()].view(p.shape)).div_(self.engine.world_size)
+                offset += p.numel()
+            bucket.step, bucket.flight = len(_STEPS), []
 
 
 @dataclass(frozen=True)

@@ -53,6 +53,21 @@ def compare_on_four_ranks(args, tmp: Path) -> None:
             print(f"4 ranks x 1 thread (2 x 2), {engine:7s} {allreduce:12s}: {rate:.1f} img/s, {rate / flat:.3f} x flat")
 
 
+def weak_scaling(args, tmp: Path) -> list[float]:
+    """1 rank, then 2 ranks per engine and all-reduce: prints each; returns the flat efficiencies."""
+    single = run("none", 1, "flat", args, tmp / "single")
+    print(f"1 rank x 1 thread: {single:.1f} img/s")
+    flat = []
+    for engine in ("torch", "horovod"):
+        for allreduce in ("flat", "hierarchical"):
+            rate = run(engine, 2, allreduce, args, tmp / f"{engine}-{allreduce}")
+            efficiency = rate / (2 * single)
+            if allreduce == "flat":
+                flat.append(efficiency)
+            print(f"2 ranks x 1 thread, {engine:7s} {allreduce:12s}: {rate:.1f} img/s, efficiency {efficiency:.3f}")
+    return flat
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arch", default="resnet50")
@@ -61,22 +76,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--window", type=int, default=3, help="steps per logging window; the first is warm-up")
     parser.add_argument("--four-ranks", type=int, default=1, help="1: also compare the all-reduce algorithms on 2 x 2 ranks")
+    parser.add_argument("--two-ranks", type=int, default=1, help="0: skip the weak-scaling part (and its last line)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        single = run("none", 1, "flat", args, Path(tmp) / "single")
-        print(f"1 rank x 1 thread: {single:.1f} img/s")
-        flat = []
-        for engine in ("torch", "horovod"):
-            for allreduce in ("flat", "hierarchical"):
-                rate = run(engine, 2, allreduce, args, Path(tmp) / f"{engine}-{allreduce}")
-                efficiency = rate / (2 * single)
-                if allreduce == "flat":
-                    flat.append(efficiency)
-                print(f"2 ranks x 1 thread, {engine:7s} {allreduce:12s}: {rate:.1f} img/s, efficiency {efficiency:.3f}")
+        flat = weak_scaling(args, Path(tmp)) if args.two_ranks else []
         if args.four_ranks:
             compare_on_four_ranks(args, Path(tmp))
     print(f"{args.arch} {args.image_size}px, batch {args.batch_size} per rank, {args.steps} steps")
-    print(f"scaling: {min(flat):.3f} (goal >= 0.90)")
+    if flat:
+        print(f"scaling: {min(flat):.3f} (goal >= 0.90)")
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ def main():
             from torch.nn.parallel import DistributedDataParallel
             ddp = DistributedDataParallel(model)
             if path == "hierarchical":
-                ddp.register_comm_hook(engine._two_level_routes(), engine._two_level_hook)
+                ddp.register_comm_hook(engine._two_level_state(), engine._two_level_hook)
             ddp(images).square().mean().backward()
         else:
             import horovod.torch as hvd
@@ -41,7 +41,8 @@ def main():
                 wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                    compression=_contiguous(hvd.Compression.none), op=hvd.Average)
             else:
-                wrapped = TwoLevelHorovodOptimizer(optimizer, engine, engine._two_level_routes())
+                wrapped = TwoLevelHorovodOptimizer(optimizer, engine, engine._two_level_routes(),
+                                                   list(model.parameters()))
             model(images).square().mean().backward()
             wrapped.synchronize()
         averaged.append([p.grad.detach().clone() for p in model.parameters()])

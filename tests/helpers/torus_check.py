@@ -15,14 +15,17 @@ import torch
 from train.config import Config
 from train.engines import create
 
-COLLECTIVES = {"reduce_scatter_single": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
+COLLECTIVES = {"all_to_all_single": "all_to_all", "reduce_scatter_single": "reduce_scatter",
+               "reduce_scatter_tensor": "reduce_scatter",
                "all_reduce": "all_reduce", "all_gather_single": "all_gather", "all_gather_into_tensor": "all_gather",
-               "allreduce_async": "all_reduce", "allgather_async": "all_gather"}  # Horovod's async calls
+               "allreduce_async": "all_reduce", "allreduce_async_": "all_reduce",
+               "allgather_async": "all_gather"}  # Horovod's async calls
 
 
 class Recorder:
     """Stands in for the engine's torch.distributed or horovod.torch module: forwards every call and
-    records each collective (its kind, its group's ranks) and each wait, while `events` is a list."""
+    records each collective (its kind, its group's ranks) and each wait (torch.distributed: each
+    work waited on or chained on; Horovod: each synchronize), while `events` is a list."""
 
     def __init__(self, inner, engine_name: str):
         self._inner, self._engine_name, self.events = inner, engine_name, None
@@ -51,12 +54,19 @@ class Recorder:
 
 
 class Waited:
+    """A collective's work: waiting on it, or chaining on its future (the DDP hook does not wait, it
+    chains the next step on the step's futures), is recorded as its wait."""
+
     def __init__(self, work, events):
         self.work, self.events = work, events
 
     def wait(self):
         self.events.append(["wait"])
         return self.work.wait()
+
+    def get_future(self):
+        self.events.append(["wait"])
+        return self.work.get_future()
 
 
 def tiny_model():
