@@ -5,6 +5,7 @@ import torch
 import torchvision
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from helpers import run_train
 from train.lars import LARS, lars_param_groups
 
 
@@ -131,3 +132,49 @@ def test_channels_last_weight_with_contiguous_gradient():
         p_cl.grad, p_ref.grad = g.clone(), g.clone()  # contiguous gradient for the channels_last weight
         opt_cl.step(); opt_ref.step()
     torch.testing.assert_close(p_cl.detach(), p_ref.detach(), rtol=0, atol=1e-7)
+
+
+def test_the_compiled_update_follows_the_reference_formula_and_leaves_the_eager_step_alone():
+    """--lars-compile: the trust-ratio group through torch.compile (the excluded group stays eager),
+    checked against the float64 formula over steps with changing LR (a 0-dim tensor: no recompile per
+    value), a zero-norm weight and a zero-norm gradient, and a channels_last weight. No host read: the
+    update compiles with fullgraph=True, where .item() or a branch on a tensor's value cannot compile
+    (a dispatch mode, as above, would keep torch.compile from running at all)."""
+    regular = make_tensors(0) + [torch.randn(8, 4, 3, 3).contiguous(memory_format=torch.channels_last)]
+    params = [torch.nn.Parameter(t.clone()) for t in regular]
+    opt = LARS([{"params": params}], lr=1.0, momentum=0.9, weight_decay=1e-4, eta=0.001, epsilon=1e-3, compiled=True)
+    reference = [t.double().clone() for t in regular]
+    buffers = [torch.zeros_like(t) for t in reference]
+    gen = torch.Generator().manual_seed(2)
+    for step, lr in enumerate((0.5, 1.0, 2.0)):
+        grads = [torch.randn(p.shape, generator=gen) for p in params]
+        grads[1].zero_()
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        with torch._dynamo.config.patch(error_on_recompile=step > 0):  # a new LR is no new graph
+            opt.step()
+        reference_lars_step(reference, [g.double() for g in grads], buffers, lr, 0.9, 1e-4, 0.001, 1e-3, False)
+        for got, want in zip(params, reference, strict=True):
+            torch.testing.assert_close(got.detach().double(), want, rtol=1e-5, atol=1e-6)
+        assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))  # the compiled update leaves .grad
+
+
+def test_a_run_with_lars_compile_trains_as_the_eager_one(tmp_path):
+    """--lars-compile reaches the optimizer: the run ends where the eager run does, to rounding, and
+    not exactly (the fused update rounds differently), so the compiled path did run."""
+    base = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,
+            "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 1, "--eval-every", 0, "--max-steps", 3]
+    weights = {}
+    for flags in ([], ["--lars-compile"]):
+        out = f"run{len(flags)}"
+        result = run_train("--out-dir", out, *base, *flags, cwd=tmp_path)
+        assert result.returncode == 0, result.stderr[-2000:]
+        weights[len(flags)] = torch.load(tmp_path / out / "checkpoint.pt", weights_only=True)["model"]
+    eager, compiled = weights[0], weights[1]
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=1e-5)
+    assert not all(torch.equal(compiled[k], eager[k]) for k in eager)
+    refused = run_train("--out-dir", "sgd", *base, "--lars-compile", "--optimizer", "sgd", cwd=tmp_path)
+    assert refused.returncode == 2 and "--lars-compile needs --optimizer lars" in refused.stderr

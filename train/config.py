@@ -66,6 +66,8 @@ class Config:
     weight_decay: float = field(default=5e-5)
     lars_eta: float = field(default=0.001, metadata={"help": "LARS trust coefficient"})
     lars_epsilon: float = field(default=0.0, metadata={"help": "LARS epsilon (0 means 0)"})
+    lars_compile: bool = field(default=False, metadata={
+        "help": "run the LARS update through torch.compile (fewer passes over memory; the first step compiles)"})
     label_smoothing: float = field(default=0.1)
     augment_off_epoch: int = field(default=0, metadata={"help": "from this epoch on (counted from 1) training images get the evaluation transform, no random crop or flip (0: never)"})
     # evaluation
@@ -248,6 +250,7 @@ def validate(cfg: Config) -> Config:
     need(cfg.bn_group_size >= 0 and cfg.bn_recompute_batches >= 0 and cfg.torus_rows >= 0 and cfg.augment_off_epoch >= 0,
          "--bn-group-size, --bn-recompute-batches, --torus-rows and --augment-off-epoch must not be negative")
     need(not (cfg.nesterov and cfg.momentum <= 0), "--nesterov needs a positive --momentum")
+    need(not cfg.lars_compile or cfg.optimizer == "lars", "--lars-compile needs --optimizer lars")
     need(cfg.division == "open" or (not cfg.batch_schedule and cfg.optimizer in ("lars", "sgd")
                                     and cfg.lr_schedule == "warmup-poly"),
          "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "

@@ -22,7 +22,7 @@ def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
 def lars(cfg, model, lr):
     """MLPerf LARS: BatchNorm parameters and biases excluded from trust ratio and weight decay."""
     return LARS(lars_param_groups(model), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
-                eta=cfg.lars_eta, epsilon=cfg.lars_epsilon)
+                eta=cfg.lars_eta, epsilon=cfg.lars_epsilon, compiled=cfg.lars_compile)
 
 
 def decay_groups(cfg, model) -> list[dict]:
