@@ -18,7 +18,7 @@ SGD's (scripts/bench/lars_step.py).
 `compiled=True` (--lars-compile) runs the trust-ratio tensors' update through torch.compile
 instead: per tensor one kernel reads w and g for both norms and one reads g, w, m and writes w and
 m, which is as few passes as the formula allows (SGD's plus the norms' reads). The first step pays
-the compilation (about a minute for ResNet-50 on a 2-core CPU, seconds once Inductor's on-disk cache
+the compilation (about 20 s for ResNet-50 on a 2-core CPU, 2 s once Inductor's on-disk cache
 has it); so it is opt-in, and tests that do not ask for it never compile. The compiled update leaves
 .grad as it was; its results equal the eager step's to rounding (fused arithmetic).
 """
