@@ -40,7 +40,7 @@ def batch_sizes(batch_size: int, global_batch_size: int, world_size: int) -> tup
     return per_rank, per_rank * world_size
 
 
-def _interpolate(points: dict, batch: int, column: int) -> float:
+def interpolate(points: dict, batch: int, column: int) -> float:
     batches = sorted(points)
     if batch <= batches[0]:
         return points[batches[0]][column]
@@ -58,7 +58,7 @@ def rule_lr_and_warmup(optimizer: str, global_batch: int) -> tuple[float, float]
         return 0.1 * global_batch / 256, (5.0 if global_batch > 256 else 0.0)
     smallest = min(MLPERF_LARS_POINTS)
     if global_batch >= smallest:
-        return _interpolate(MLPERF_LARS_POINTS, global_batch, 0), _interpolate(MLPERF_LARS_POINTS, global_batch, 1)
+        return interpolate(MLPERF_LARS_POINTS, global_batch, 0), interpolate(MLPERF_LARS_POINTS, global_batch, 1)
     batch, lr, warmup = SMOKE_POINT
     exponent = math.log(MLPERF_LARS_POINTS[smallest][0] / lr) / math.log(smallest / batch)
     return lr * (global_batch / batch) ** exponent, float(warmup)

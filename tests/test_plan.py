@@ -1,0 +1,216 @@
+"""The scaling planner (train/plan): all-reduce costs and the compute fit against hand-computed
+numbers, and its command line, good and bad input. Expected values are worked out by hand in the
+comments, never by the code under test."""
+import json
+import math
+
+import pytest
+
+from train.plan import comm, compute, model
+from train.plan.cli import main
+from train.plan.hardware import Link
+
+# Small hand-checkable links: inside a node 1 s per hop + 100 B/s; the network 10 s + 10 B/s per node.
+IN_NODE, NETWORK = Link(1.0, 100.0), Link(10.0, 10.0)
+MESSAGE = 1200.0  # bytes per rank
+
+
+def cluster(gpus, per_node=4):
+    return comm.Cluster(gpus, per_node, IN_NODE, NETWORK)
+
+
+def test_flat_ring_in_one_node_and_across_nodes():
+    # 4 ranks, one node: 2(4-1) = 6 rounds of 1 + (1200/4)/100 = 4 s
+    assert comm.allreduce_time(cluster(4), MESSAGE, "flat") == pytest.approx(24.0)
+    # 8 ranks over 2 nodes: 14 rounds limited by the network hop, 10 + (1200/8)/10 = 25 s
+    assert comm.allreduce_time(cluster(8), MESSAGE, "flat") == pytest.approx(350.0)
+
+
+def test_hierarchical_on_two_and_four_nodes():
+    # reduce-scatter in the node: 3 x (1 + 300/100) = 12; all-gather the same 12.
+    # 2 nodes: all-reduce of the 300-byte shard over 2 ranks; 4 columns leave the node at once, so
+    # 10/4 = 2.5 B/s each: 2 x (10 + 150/2.5) = 140. Total 164.
+    assert comm.allreduce_time(cluster(8), MESSAGE, "hierarchical") == pytest.approx(164.0)
+    # 4 nodes: 6 rounds of 10 + 75/2.5 = 40 -> 240. Total 264.
+    assert comm.allreduce_time(cluster(16), MESSAGE, "hierarchical") == pytest.approx(264.0)
+
+
+def test_tree_has_logarithmic_latency():
+    # 4 nodes: 2 log2(4) x 10 = 40 latency + 2 x 3/4 x 300 / 2.5 = 180 -> 220; plus 12 + 12 in the node.
+    assert comm.allreduce_time(cluster(16), MESSAGE, "tree") == pytest.approx(244.0)
+
+
+def test_torus_sends_half_each_way_at_once():
+    # 2 x 4 grid, lines = nodes. Each half is 600 bytes.
+    # step 1: half A reduce-scattered in the node, 3 x (1 + 150/100) = 7.5; half B across (2 ranks,
+    #   4 columns share the network: 2.5 B/s): 1 x (10 + 300/2.5) = 130 -> 130
+    # step 2: half A's 150-byte shard across: 2 x (10 + 75/2.5) = 80; half B's 300-byte shard in the
+    #   node: 6 x (1 + 75/100) = 10.5 -> 80
+    # step 3 = step 1 -> 130. Total 340.
+    assert comm.allreduce_time(cluster(8), MESSAGE, "torus") == pytest.approx(340.0)
+    # lines of 8 ranks = the whole job (rows 8 on 8 GPUs): half A is a plain reduce-scatter over 8
+    # ranks spanning 2 nodes, one ring leaving each node: 7 x (10 + 75/10) = 122.5; half B has one-rank
+    # columns first (nothing), then the same all-reduce over 8: 14 x (10 + 75/10) = 245 -> steps:
+    # max(122.5, 0) + max(0, 245) + max(122.5, 0) = 490
+    assert comm.allreduce_time(cluster(8), MESSAGE, "torus", rows=8) == pytest.approx(490.0)
+
+
+def test_one_gpu_has_no_communication():
+    assert comm.allreduce_time(cluster(1, 1), MESSAGE, "hierarchical") == 0.0
+
+
+def test_exposed_communication():
+    # 4 s of all-reduce, 3/4 of it hidden, backward long enough: 1 s shows
+    assert comm.exposed(4.0, 30.0, 0.75, 2 / 3) == pytest.approx(1.0)
+    # backward of 2/3 x 3 = 2 s hides only 2 of the 4
+    assert comm.exposed(4.0, 3.0, 0.75, 2 / 3) == pytest.approx(2.0)
+
+
+def test_affine_fit_reproduces_its_points():
+    # through (16, 5 ms) and (400, 53 ms): slope 48/384 = 0.125 ms, fixed 5 - 2 = 3 ms
+    fixed, per_image = compute.affine([(16, 5e-3), (400, 53e-3)])
+    assert (fixed, per_image) == (pytest.approx(3e-3), pytest.approx(0.125e-3))
+    # one point at batch 256 taking 0.2 s with a knee of 24 images: per image 0.2 / 280
+    fixed, per_image = compute.one_point(256, 0.2, 24.0)
+    assert per_image == pytest.approx(0.2 / 280) and fixed == pytest.approx(24 * 0.2 / 280)
+    with pytest.raises(ValueError):
+        compute.affine([(256, 0.2), (256, 0.3)])
+
+
+def test_compute_is_the_step_less_exposed_comm_and_optimizer():
+    # step 10, comm 4 (3 hidden), optimizer 1 -> compute 8 (its backward, 5.3, hides 3)
+    assert compute.compute_from_step(10.0, 4.0, 1.0, 0.75, 2 / 3) == pytest.approx(8.0)
+    # step 12, comm 9 all overlappable, no optimizer: backward hides only 2/3 c: 12 = c + 9 - 2c/3 -> c = 9
+    assert compute.compute_from_step(12.0, 9.0, 0.0, 1.0, 2 / 3) == pytest.approx(9.0)
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def plan_json(capsys, *args):
+    code, out, err = run_cli(capsys, *args, "--json")
+    assert code == 0, err
+    return json.loads(out), err
+
+
+def test_calibration_points_are_reproduced_end_to_end(capsys):
+    # calibration.yaml: H100 7,160 img/s per GPU at 400 on 8 GPUs; 2,820 at 16 on 3,584 with trees
+    rows, _ = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", "h100", "--gpus", "8", "--per-gpu-batch", "400")
+    assert rows[0]["img_per_s_per_gpu"] == pytest.approx(7160, rel=1e-9)
+    rows, _ = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", "h100", "--gpus", "3584", "--per-gpu-batch", "16",
+                        "--allreduce", "tree")
+    assert rows[0]["img_per_s_per_gpu"] == pytest.approx(2820, rel=1e-9)
+    # one-point GPUs: V100 1,200 and H200 7,950
+    rows, _ = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", "v100", "--gpus", "1", "--per-gpu-batch", "256")
+    assert rows[0]["img_per_s_per_gpu"] == pytest.approx(1200, rel=1e-9)
+    rows, _ = plan_json(capsys, "--preset", "nvidia-mlperf40-8gpu", "--gpu", "h200", "--gpus", "8")
+    assert rows[0]["img_per_s_per_gpu"] == pytest.approx(7950, rel=1e-9)
+
+
+def test_one_point_gpus_borrow_the_reference_knee():
+    params = model.parameter_count("resnet50")
+    assert params == 25_557_032  # ResNet-50 v1.5
+    calibration = model.load_calibration()
+    h100 = model.fit_gpu("h100", calibration, params)
+    v100 = model.fit_gpu("v100", calibration, params)
+    doubled = model.fit_gpu("v100", calibration, params, fixed_cost_scale=2.0)
+    assert v100.knee == pytest.approx(h100.knee)
+    assert doubled.knee == pytest.approx(2 * h100.knee)
+    # both pass through the V100's one point (no comm on one GPU): 256 / 1200 s less the optimizer
+    for fit in (v100, doubled):
+        assert fit.seconds(256) == pytest.approx(256 / 1200 - model.optimizer_seconds(model.GPUS["v100"], params))
+
+
+def test_gpu_check_figures_replace_the_assumption(tmp_path):
+    calibration = model.load_calibration()
+    # this trainer measured one A100 at 128 (0.08 s a step) and 256 (0.15 s): slope 0.07/128, fixed 0.01
+    opt = model.optimizer_seconds(model.GPUS["a100"], 25_557_032)
+    calibration["measured"] = [{"gpu": "a100", "per_gpu_batch": 128, "img_per_s": 128 / (0.08 + opt)},
+                               {"gpu": "a100", "per_gpu_batch": 256, "img_per_s": 256 / (0.15 + opt)}]
+    fit = model.fit_gpu("a100", calibration, 25_557_032)
+    assert fit.fixed_s == pytest.approx(0.01) and fit.per_image_s == pytest.approx(0.07 / 128)
+    assert "measured" in fit.how
+
+
+def test_one_count_prints_a_row(capsys):
+    code, out, _ = run_cli(capsys, "--preset", "yamazaki2019", "--gpus", "2048", "--gpu", "v100", "--gpus-per-node", "4",
+                           "--network", "ib-edr", "--links-per-node", "2", "--allreduce", "hierarchical")
+    assert code == 0
+    row = next(line for line in out.splitlines() if line.split()[:3] == ["2048", "512", "42"])  # 86,016 / 2,048
+    assert "86,016" in row
+
+
+def test_json_list_keys_and_arithmetic(capsys):
+    rows, err = plan_json(capsys, "--preset", "nvidia-mlperf40-8gpu", "--gpu", "h100", "--gpus", "8,64,512,2528")
+    assert [r["gpus"] for r in rows] == [8, 64]  # 3,200 = 8 x 400 = 64 x 50; not 512 or 2,528
+    assert "512 GPUs" in err and "2528 GPUs" in err
+    for r in rows:
+        assert {"gpus", "per_gpu_batch", "step_s", "compute_s", "comm_s", "img_per_s", "epochs", "time_to_train_s",
+                "valid_flops"} <= set(r)
+        assert r["per_gpu_batch"] == 3200 // r["gpus"] and r["epochs"] == 37  # the preset's epochs
+        assert r["step_s"] == pytest.approx(r["compute_s"] + r["comm_s"] + r["optimizer_s"])
+        assert r["img_per_s"] == pytest.approx(3200 / r["step_s"])
+        steps = math.ceil(37 * 1_281_167 / 3200)
+        assert r["time_to_train_s"] == pytest.approx(5.0 + steps * r["step_s"] + r["eval_s"])
+        # Valid FLOPS: 37 epochs of 24.3 GFLOP images over the time, x (0.759 / 0.763) ** 5
+        flops = 37 * 1_281_167 * 24.3e9 / r["time_to_train_s"]
+        assert r["valid_flops"] == pytest.approx(flops * (0.759 / 0.763) ** 5, rel=0.02)
+
+
+def test_power_of_two_range_and_skipped_counts(capsys):
+    code, out, _ = run_cli(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "8:4096")
+    assert code == 0
+    first_cells = [line.split()[0] for line in out.splitlines()]
+    assert [c for c in first_cells if c.isdigit()] == ["8", "16", "32", "64"]  # 3,264 = 64 x 51
+    skipped = [line for line in out.splitlines() if line.startswith("skipped:")]
+    assert [s.split()[1] for s in skipped] == ["128", "256", "512", "1024", "2048", "4096"]
+    assert "35.2" in out  # mlperf-* preset: the reference's mean epochs at 3,264
+
+
+def test_per_gpu_batch_takes_epochs_from_the_mlperf_table(capsys):
+    rows, _ = plan_json(capsys, "--preset", "goyal2017-8k", "--gpu", "h100", "--gpus", "2048,3072,4096",
+                        "--per-gpu-batch", "16")
+    assert [r["global_batch"] for r in rows] == [32768, 49152, 65536]
+    assert [r["epochs"] for r in rows] == [56.0, 68.0, 84.5]  # the table's own points
+    assert all("MLPerf table" in r["epochs_source"] for r in rows)
+    rows, _ = plan_json(capsys, "--preset", "goyal2017-8k", "--gpu", "h100", "--gpus", "2560", "--per-gpu-batch", "16")
+    # 40,960 between 32,768 (56) and 49,152 (68): log2 share = log2(1.25) / log2(1.5) = 0.5503 -> 62.6
+    assert rows[0]["epochs"] == pytest.approx(56 + 12 * math.log2(1.25) / math.log2(1.5))
+
+
+def test_batch_schedule_runs_in_phases(capsys):
+    rows, _ = plan_json(capsys, "--preset", "mikami2018", "--gpu", "v100", "--gpus", "2176", "--gpus-per-node", "4",
+                        "--network", "ib-edr", "--links-per-node", "2")
+    phases = rows[0]["phases"]
+    assert [(p["epochs"], p["per_gpu_batch"]) for p in phases] == [(30, 16), (58, 32)]  # 34,816 then 69,632; 88 epochs
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--gpu", "p100"], ["p100", "v100, a100, h100, h200"]),
+    (["--gpu", "tpu"], ["tpu", "v100, a100, h100, h200"]),
+    (["--network", "myrinet"], ["myrinet", "ib-edr"]),
+    (["--gpus", "12", "--gpus-per-node", "8"], ["12 GPUs", "nodes of 8"]),
+    (["--gpus", "128,256"], ["no GPU count fits", "3,264", "128"]),
+    (["--gpus", "8:x"], ["--gpus"]),
+    (["--allreduce", "ring2"], ["ring2"]),
+    (["--preset", "nope"], ["nope"]),
+])
+def test_bad_input_exits_2_with_one_line(capsys, args, words):
+    base = {"--preset": "mlperf-bs3264", "--gpu": "a100", "--gpus": "8"}
+    for flag, value in zip(args[::2], args[1::2]):
+        base[flag] = value
+    code, out, err = run_cli(capsys, *[x for pair in base.items() for x in pair])
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+    for word in words:
+        assert word in err
+
+
+def test_report_writes_a_png(capsys, tmp_path):
+    path = tmp_path / "plan.png"
+    code, out, _ = run_cli(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "8:64", "--report", str(path))
+    assert code == 0 and str(path) in out
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000

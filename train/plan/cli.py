@@ -1,0 +1,207 @@
+"""The command line of `python -m train.plan` (see the package's docstring)."""
+import argparse
+import json
+import sys
+
+import train.plan as package
+from train.config import UsageError, parse as parse_config
+from train.plan import comm, model
+from train.plan.hardware import IN_NODE_LATENCY_S, NETWORKS, gpu as gpu_spec
+from train.plan.published import CHECKS, PUBLISHED_TOP1
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other bad input
+        raise UsageError(f"{message}; see python -m train.plan --help")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m train.plan", description=package.__doc__.splitlines()[0])
+    p.add_argument("--preset", help="a trainer preset (train/presets) or a .yaml path")
+    p.add_argument("--gpus", help="GPU counts: N, a list N,M,..., or A:B (A, 2A, 4A, ... up to B)")
+    p.add_argument("--gpu", help="v100, a100, h100 or h200")
+    p.add_argument("--gpus-per-node", type=int, help="default: the GPU's usual server (8)")
+    p.add_argument("--network", help=f"between nodes: {', '.join(NETWORKS)} (default: the GPU's usual server's)")
+    p.add_argument("--links-per-node", type=int, help="network adapters per node (default: the usual server's)")
+    p.add_argument("--in-node", default="nvlink", help=f"link between a node's GPUs: {', '.join(IN_NODE_LATENCY_S)}")
+    p.add_argument("--allreduce", help=f"{', '.join(comm.ALGORITHMS)} (default: the preset's)")
+    p.add_argument("--torus-rows", type=int, help="--allreduce torus: ranks per line of the grid (default: the "
+                                                  "preset's, 0: the GPUs per node)")
+    p.add_argument("--per-gpu-batch", type=int, default=0,
+                   help="keep this per-GPU batch (the global batch grows; epochs from the MLPerf table)")
+    p.add_argument("--overlap", type=float, default=model.DEFAULT_OVERLAP,
+                   help="share of the all-reduce hidden behind backward (default %(default)s)")
+    p.add_argument("--wire", choices=tuple(model.WIRE_BYTES), default="fp16", help="gradient type on the wire")
+    p.add_argument("--loader", choices=("dali-gpu", "cpu"), default="dali-gpu", help="where images are decoded")
+    p.add_argument("--cpu-cores-per-gpu", type=int, default=8, help="--loader cpu: decoding cores per GPU")
+    p.add_argument("--startup-s", type=float, default=model.DEFAULT_STARTUP_S, help="run start to first step")
+    p.add_argument("--fixed-cost-scale", type=float, default=1.0,
+                   help="GPUs with one calibration point: scale their assumed fixed per-step cost (sensitivity)")
+    p.add_argument("--calibration", help="calibration YAML (default: the package's calibration.yaml)")
+    p.add_argument("--json", action="store_true", help="print a JSON list, one object per GPU count")
+    p.add_argument("--report", help="PNG: images/s and time to train against GPU count, one line per all-reduce")
+    p.add_argument("--published", action="store_true",
+                   help="compare the planner with the published results it was not fitted to, and stop")
+    return p
+
+
+def gpu_counts(spec: str) -> list[int]:
+    """'N', 'N,M,...' or 'A:B' (doubling from A up to B)."""
+    try:
+        if ":" in spec:
+            low, high = (int(x) for x in spec.split(":"))
+            if low < 1 or high < low:
+                raise ValueError
+            counts = []
+            while low <= high:
+                counts.append(low)
+                low *= 2
+            return counts
+        counts = [int(x) for x in spec.split(",")]
+    except ValueError:
+        raise UsageError(f"--gpus {spec!r}: give N, N,M,... or A:B with 1 <= A <= B") from None
+    if any(c < 1 for c in counts):
+        raise UsageError(f"--gpus {spec!r}: counts must be positive")
+    return counts
+
+
+def setup_of(args, allreduce: str | None = None) -> model.Setup:
+    """The Setup for the flags: the preset loaded as the trainer loads it, the GPU's fitted compute."""
+    cfg = parse_config(["--preset", args.preset])
+    spec = gpu_spec(args.gpu)
+    per_node, network, links = spec.node
+    machine = model.Machine(spec, args.gpus_per_node or per_node, args.network or network,
+                            args.links_per_node or links, args.in_node)
+    if machine.gpus_per_node < 1:
+        raise UsageError(f"--gpus-per-node must be at least 1, got {machine.gpus_per_node}")
+    machine.cluster(2)  # a bad --network, --links-per-node or --in-node is refused now
+    allreduce = allreduce or args.allreduce or cfg.allreduce
+    if allreduce not in comm.ALGORITHMS:
+        raise UsageError(f"unknown --allreduce {allreduce!r}; known: {', '.join(comm.ALGORITHMS)}")
+    if not 0 <= args.overlap <= 1:
+        raise UsageError(f"--overlap must be in [0, 1], got {args.overlap}")
+    if args.per_gpu_batch < 0 or args.fixed_cost_scale <= 0 or args.cpu_cores_per_gpu < 1 or args.startup_s < 0:
+        raise UsageError("--per-gpu-batch must not be negative, --fixed-cost-scale and --cpu-cores-per-gpu must be "
+                         "positive, --startup-s not negative")
+    calibration = model.load_calibration(args.calibration)
+    params = model.parameter_count(cfg.arch)
+    fit = model.fit_gpu(spec.name, calibration, params, args.fixed_cost_scale)
+    top1 = PUBLISHED_TOP1.get(args.preset) or cfg.target_accuracy or model.MLPERF_TARGET
+    cap = model.DALI_GPU_IMG_S if args.loader == "dali-gpu" else args.cpu_cores_per_gpu * model.CPU_DECODE_IMG_S_PER_CORE
+    rows = cfg.torus_rows if args.torus_rows is None else args.torus_rows
+    return model.Setup(args.preset, cfg, machine, fit, allreduce, rows, args.overlap, args.wire, cap,
+                       args.per_gpu_batch, args.startup_s, top1)
+
+
+def plans(setup: model.Setup, counts: list[int]) -> tuple[list[dict], list[str]]:
+    """(a row per count that can run, a reason per count that cannot)."""
+    rows, skipped = [], []
+    for count in counts:
+        try:
+            rows.append(model.plan(setup, count))
+        except model.Skip as why:
+            skipped.append(f"{count} GPUs: {why}")
+    return rows, skipped
+
+
+def duration(seconds: float) -> str:
+    return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.2f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
+
+
+def header(setup: model.Setup) -> list[str]:
+    m, fit, params = setup.machine, setup.fit, model.parameter_count(setup.cfg.arch)
+    batch = (f"per-GPU batch {setup.per_gpu_batch} kept" if setup.per_gpu_batch
+             else f"global batch {setup.cfg.global_batch_size:,} kept" + (f", then {setup.cfg.batch_schedule}"
+                                                                          if setup.cfg.batch_schedule else ""))
+    return [f"plan: preset {setup.preset} ({batch}); {m.gpu.name} ({m.gpu.precision}), {m.gpus_per_node} per node, "
+            f"{m.links_per_node} x {m.network} per node, {m.in_node} in the node",
+            f"all-reduce {setup.allreduce}" + (f" (torus rows {setup.torus_rows or m.gpus_per_node})"
+                                               if setup.allreduce == "torus" else "")
+            + f" of {params:,} {setup.wire} gradients ({params * model.WIRE_BYTES[setup.wire] / 1e6:.1f} MB), "
+            f"{setup.overlap:g} hidden behind backward; input cap {setup.input_cap:,.0f} img/s per GPU; "
+            f"start-up {setup.startup_s:g} s; Valid FLOPS at top-1 {setup.top1}",
+            f"compute per step: {fit.fixed_s * 1e3:.2f} ms + {fit.per_image_s * 1e3:.4f} ms/image ({fit.how})"]
+
+
+def table(rows: list[dict]) -> list[str]:
+    lines = [("GPUs", "nodes", "batch/GPU", "global", "compute ms", "comm ms", "opt ms", "step ms", "img/s",
+              "img/s/GPU", "epochs", "eval s", "time to train", "FLOPS", "Valid FLOPS")]
+    for r in rows:
+        lines.append((f"{r['gpus']}", f"{r['nodes']}", f"{r['per_gpu_batch']}" + ("+" if "phases" in r else ""),
+                      f"{r['global_batch']:,}", f"{r['compute_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}",
+                      f"{r['optimizer_s'] * 1e3:.2f}", f"{r['step_s'] * 1e3:.2f}" + ("*" if r["input_bound"] else ""),
+                      f"{r['img_per_s']:,.0f}", f"{r['img_per_s_per_gpu']:,.0f}", f"{r['epochs']:.1f}",
+                      f"{r['eval_s']:.1f}", duration(r["time_to_train_s"]), f"{r['flops']:.3e}",
+                      f"{r['valid_flops']:.3e}"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(lines[0]))]
+    return ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
+
+
+def notes(rows: list[dict]) -> list[str]:
+    out = []
+    sources = sorted({r["epochs_source"] for r in rows})
+    out.append("epochs: " + "; ".join(sources))
+    for r in rows:
+        for phase in r.get("phases", [])[1:]:
+            out.append(f"{r['gpus']} GPUs: then {phase['epochs']:g} epochs at {phase['per_gpu_batch']}/GPU "
+                       f"(global {phase['global_batch']:,}): step {phase['step_s'] * 1e3:.2f} ms "
+                       f"(compute {phase['compute_s'] * 1e3:.2f}, comm {phase['comm_s'] * 1e3:.2f})")
+    if any(r["input_bound"] for r in rows):
+        out.append("*: the input pipeline sets the step time")
+    return out
+
+
+def published_table() -> list[str]:
+    """Every published result not used for calibration beside the planner's prediction."""
+    lines = ["| system | published | planner | error | command | note |", "|---|---|---|---|---|---|"]
+    for check in CHECKS:
+        args = parser().parse_args(check["args"])
+        command = "python -m train.plan " + " ".join(check["args"])
+        try:
+            row = plans(setup_of(args), gpu_counts(args.gpus))[0][0]
+        except UsageError as err:
+            lines.append(f"| {check['system']} | {_published(check)} | refused: {err} | - | `{command}` | {check['note']} |")
+            continue
+        for key, show in (("time_s", duration), ("img_per_s_per_gpu", lambda v: f"{v:,.0f} img/s/GPU")):
+            if key in check:
+                mine = row["time_to_train_s"] if key == "time_s" else row["img_per_s_per_gpu"]
+                error = (mine - check[key]) / check[key]
+                lines.append(f"| {check['system']} | {show(check[key])} | {show(mine)} | {error:+.1%} | `{command}` "
+                             f"| {check['note']} |")
+    return lines
+
+
+def _published(check: dict) -> str:
+    return duration(check["time_s"]) if "time_s" in check else f"{check['img_per_s_per_gpu']:,.0f} img/s/GPU"
+
+
+def main(argv=None) -> int:
+    try:
+        args = parser().parse_args(argv)
+        if args.published:
+            print("\n".join(published_table()))
+            return 0
+        missing = [flag for flag in ("preset", "gpus", "gpu") if not getattr(args, flag)]
+        if missing:
+            raise UsageError(f"give {', '.join('--' + m for m in missing)}; see python -m train.plan --help")
+        counts = gpu_counts(args.gpus)
+        setup = setup_of(args)
+        rows, skipped = plans(setup, counts)
+        if not rows:
+            raise UsageError(f"no GPU count fits preset {args.preset}: " + "; ".join(skipped))
+        if args.report:
+            from train.plan.report import draw_report
+            lines = {name: plans(setup_of(args, name), counts)[0] for name in comm.ALGORITHMS}
+            draw_report(lines, args.report, f"{args.preset} on {setup.machine.gpu.name}")
+        if args.json:
+            print(json.dumps(rows))
+            for reason in skipped:  # stdout stays one JSON list of runnable counts
+                print(f"skipped: {reason}", file=sys.stderr)
+        else:
+            print("\n".join(header(setup) + table(rows) + notes(rows) + [f"skipped: {s}" for s in skipped]))
+            if args.report:
+                print(f"report: {args.report}")
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    return 0

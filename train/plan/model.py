@@ -1,0 +1,236 @@
+"""A training run at scale, term by term (docs/planner.md):
+
+    step = compute(per-GPU batch) + exposed all-reduce + optimizer step, no faster than the input
+    time to train = start-up + steps x step + evaluations
+
+The compute model is fitted here (compute.py does the arithmetic) to calibration.yaml, each point's
+step first cleared of the all-reduce and optimizer that the same model gives its machine.
+"""
+import functools
+import math
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from train.config import Config, UsageError
+from train.plan import comm, compute
+from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, Gpu, gpu as gpu_spec, in_node_link, network_link
+from train.rules import interpolate
+from train.schedule import batch_phases
+from train.score.flops import IMAGENET_TRAIN_IMAGES, published_flop, valid_flops
+
+IMAGENET_VAL_IMAGES = 50_000
+BACKWARD_SHARE = 2 / 3  # backward is two thirds of a training step's FLOPs (forward one third)
+OPTIMIZER_BYTES_PER_PARAM = 28  # LARS: reads weight, gradient, momentum; writes weight, momentum; norms read w, g again
+DEFAULT_OVERLAP = 0.75  # share of the all-reduce hidden behind backward (bucketed overlap)
+DEFAULT_STARTUP_S = 5.0  # run start to the first step
+WIRE_BYTES = {"fp16": 2, "fp32": 4}
+MLPERF_TARGET = 0.759
+# Input pipeline ceilings, images/s per GPU: DALI decoding on the GPU, and CPU decoding per core.
+DALI_GPU_IMG_S = 7950  # at least this: the fastest per-GPU rate published with DALI (8 H200)
+CPU_DECODE_IMG_S_PER_CORE = 280  # DALI CPU pipeline measured on this project's machine: 560 img/s on 2 threads
+# MLPerf reference convergence points: global batch -> mean epochs to 75.9% top-1 (docs/learning_rate.md, docs/mlperf.md)
+MLPERF_EPOCHS = {1632: 35.0, 3264: 35.2, 4096: 40.0, 8192: 42.0, 13056: 45.4, 32768: 56.0, 49152: 68.0,
+                 58880: 79.9, 65536: 84.5, 67840: 85.9}
+
+
+@dataclass(frozen=True)
+class Machine:
+    gpu: Gpu
+    gpus_per_node: int
+    network: str
+    links_per_node: int
+    in_node: str = "nvlink"
+
+    def cluster(self, gpus: int) -> comm.Cluster:
+        return comm.Cluster(gpus, min(gpus, self.gpus_per_node), in_node_link(self.gpu, self.in_node),
+                            network_link(self.network, self.links_per_node))
+
+
+@dataclass(frozen=True)
+class Setup:
+    """Everything a plan depends on besides the GPU count."""
+    preset: str
+    cfg: Config
+    machine: Machine
+    fit: compute.Fit
+    allreduce: str
+    torus_rows: int = 0
+    overlap: float = DEFAULT_OVERLAP
+    wire: str = "fp16"
+    input_cap: float = DALI_GPU_IMG_S  # images/s per GPU the input pipeline can deliver
+    per_gpu_batch: int = 0  # 0: keep the preset's global batch
+    startup_s: float = DEFAULT_STARTUP_S
+    top1: float = MLPERF_TARGET
+    notes: list = field(default_factory=list)
+
+
+class Skip(Exception):
+    """This GPU count cannot run the preset (the reason is the message)."""
+
+
+@functools.lru_cache(maxsize=None)
+def parameter_count(arch: str) -> int:
+    """Parameters of the model, built on the meta device (no memory, no time)."""
+    import torch
+    from models import build_model
+    with torch.device("meta"):
+        return sum(p.numel() for p in build_model(arch).parameters())
+
+
+def optimizer_seconds(spec: Gpu, params: int) -> float:
+    return params * OPTIMIZER_BYTES_PER_PARAM / (spec.hbm_bytes_per_s * MEMORY_EFFICIENCY)
+
+
+def nodes_of(gpus: int, gpus_per_node: int) -> int:
+    """Nodes for a GPU count: fewer GPUs than a node's are one partly used node."""
+    if gpus < 1:
+        raise UsageError(f"a GPU count must be positive, got {gpus}")
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        raise UsageError(f"{gpus} GPUs do not divide into nodes of {gpus_per_node}; "
+                         f"choose a multiple of --gpus-per-node {gpus_per_node}")
+    return max(1, gpus // gpus_per_node)
+
+
+def check_rows(gpus: int, rows: int) -> None:
+    if rows and gpus % rows:
+        raise UsageError(f"--torus-rows {rows} does not divide {gpus} GPUs; choose a divisor of every count")
+
+
+# ---- calibration ----
+
+def load_calibration(path: Path | None = None) -> dict:
+    text = Path(path).read_text() if path else resources.files("train.plan").joinpath("calibration.yaml").read_text()
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        raise UsageError(f"calibration file {path} is not YAML ({str(err).splitlines()[0]})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("published", []), list):
+        raise UsageError(f"calibration file {path} must be a mapping with a list `published`")
+    return data
+
+
+def _point_compute_s(point: dict, params: int) -> tuple[float, float]:
+    """(per-GPU batch, compute seconds) of a calibration point: its measured step less the exposed
+    all-reduce and the optimizer step that the model gives its own machine."""
+    spec = gpu_spec(point["gpu"])
+    batch, step = point["per_gpu_batch"], point["per_gpu_batch"] / point["img_per_s"]
+    gpus = point.get("gpus", 1)
+    machine = Machine(spec, point.get("gpus_per_node", 1), point.get("network", "ib-edr"), point.get("links_per_node", 1))
+    comm_s = comm.allreduce_time(machine.cluster(gpus), params * WIRE_BYTES["fp16"], point.get("allreduce", "flat"))
+    seconds = compute.compute_from_step(step, comm_s, optimizer_seconds(spec, params), DEFAULT_OVERLAP, BACKWARD_SHARE)
+    return batch, seconds
+
+
+def fit_gpu(name: str, calibration: dict, params: int, fixed_cost_scale: float = 1.0) -> compute.Fit:
+    """The compute model of one GPU: its measured figures (gpu_check) when they span two batches,
+    else its published points; one batch only: the reference GPU's knee x fixed_cost_scale."""
+    def points_of(kind: str, gpu: str) -> list[dict]:
+        return [p for p in calibration.get(kind) or [] if str(p.get("gpu", "")).lower() == gpu]
+
+    measured = points_of("measured", name)
+    if len({p["per_gpu_batch"] for p in measured}) >= 2:
+        chosen, what = measured, "measured by gpu_check"
+    else:
+        chosen, what = points_of("published", name), "published"
+    if not chosen:
+        raise UsageError(f"no calibration figures for --gpu {name} in the calibration file")
+    pairs = [_point_compute_s(p, params) for p in chosen]
+    batches = sorted({b for b, _ in pairs})
+    if len(batches) >= 2:
+        fixed, per_image = compute.affine(pairs)
+        return compute.Fit(name, fixed, per_image, f"{what}, {len(pairs)} points at batches "
+                                                    f"{', '.join(str(b) for b in batches)}")
+    reference = str(calibration.get("reference_gpu", "h100"))
+    if reference == name:
+        raise UsageError(f"the reference GPU {name} needs calibration points at two per-GPU batches")
+    knee = fit_gpu(reference, calibration, params).knee * fixed_cost_scale
+    fixed, per_image = compute.one_point(*pairs[0], knee)
+    return compute.Fit(name, fixed, per_image, f"{what}, 1 point at batch {batches[0]}; fixed cost assumed: "
+                                               f"{reference}'s knee {knee:.1f} images" +
+                                               (f" ({fixed_cost_scale:g} x)" if fixed_cost_scale != 1 else ""))
+
+
+# ---- the run ----
+
+def mlperf_epochs(global_batch: int) -> float:
+    """Mean epochs to 75.9% from the MLPerf reference table, linear in log2(batch) between its
+    points, held at its ends (as train.rules interpolates the LR)."""
+    return interpolate({b: (e,) for b, e in MLPERF_EPOCHS.items()}, global_batch, 0)
+
+
+def step_terms(setup: Setup, gpus: int, per_gpu_batch: int) -> dict:
+    """One training step of every GPU: compute, the all-reduce (all of it and the exposed part),
+    the optimizer step, and the step time, no shorter than the input pipeline allows."""
+    params = parameter_count(setup.cfg.arch)
+    compute_s = setup.fit.seconds(per_gpu_batch)
+    comm_total = comm.allreduce_time(setup.machine.cluster(gpus), params * WIRE_BYTES[setup.wire], setup.allreduce,
+                                     setup.torus_rows)
+    comm_s = comm.exposed(comm_total, compute_s, setup.overlap, BACKWARD_SHARE)
+    optimizer_s = optimizer_seconds(setup.machine.gpu, params)
+    step = compute_s + comm_s + optimizer_s
+    input_s = per_gpu_batch / setup.input_cap
+    return {"per_gpu_batch": per_gpu_batch, "global_batch": per_gpu_batch * gpus, "compute_s": compute_s,
+            "comm_s": comm_s, "comm_total_s": comm_total, "optimizer_s": optimizer_s,
+            "step_s": max(step, input_s), "input_bound": input_s > step}
+
+
+def phases(setup: Setup, gpus: int) -> tuple[list[tuple[float, int]], float, str]:
+    """([(epochs, per-GPU batch)] of each batch phase, epochs in all, where the epochs come from)."""
+    if setup.per_gpu_batch:
+        global_batch = setup.per_gpu_batch * gpus
+        epochs = mlperf_epochs(global_batch)
+        return [(epochs, setup.per_gpu_batch)], epochs, f"MLPerf table at global batch {global_batch:,} (interpolated)"
+    changes = batch_phases(setup.cfg)
+    if setup.preset.startswith("mlperf-") and len(changes) == 1:
+        epochs, source = mlperf_epochs(changes[0][1]), "MLPerf reference mean epochs to 75.9%"
+    else:
+        epochs, source = float(setup.cfg.epochs), "preset"
+    spans = []
+    for i, (start, global_batch) in enumerate(changes):
+        end = changes[i + 1][0] if i + 1 < len(changes) else epochs
+        if global_batch % gpus:
+            raise Skip(f"global batch {global_batch:,} does not divide over {gpus} GPUs")
+        if end > start:
+            spans.append((end - start, global_batch // gpus))
+    return spans, epochs, source
+
+
+def plan(setup: Setup, gpus: int) -> dict:
+    """The run on `gpus` GPUs: one row of the planner's output (Skip when the batch does not divide)."""
+    nodes = nodes_of(gpus, setup.machine.gpus_per_node)
+    check_rows(gpus, setup.torus_rows if setup.allreduce == "torus" else 0)
+    spans, epochs, epochs_source = phases(setup, gpus)
+    steps_total = train_s = eval_s = trained = 0.0
+    evals = math.ceil(epochs / setup.cfg.eval_every) if setup.cfg.eval_every else 1
+    terms = []
+    for span_epochs, batch in spans:
+        step = step_terms(setup, gpus, batch)
+        steps = math.ceil(span_epochs * IMAGENET_TRAIN_IMAGES / step["global_batch"])
+        eval_steps = math.ceil(math.ceil(IMAGENET_VAL_IMAGES / gpus) / batch)
+        # an evaluation step is a forward pass: a third of a training step's compute
+        eval_s += evals * span_epochs / epochs * eval_steps * (1 - BACKWARD_SHARE) * step["compute_s"]
+        steps_total += steps
+        train_s += steps * step["step_s"]
+        trained += steps * step["global_batch"]
+        terms.append({**step, "epochs": span_epochs, "steps": steps})
+    time_to_train = setup.startup_s + train_s + eval_s
+    images = epochs * IMAGENET_TRAIN_IMAGES
+    flops = published_flop(round(images), setup.cfg.arch, setup.cfg.image_size) / time_to_train
+    first = terms[0]
+    row = {"gpus": gpus, "nodes": nodes, "per_gpu_batch": first["per_gpu_batch"], "global_batch": first["global_batch"],
+           "compute_s": first["compute_s"], "comm_s": first["comm_s"], "comm_total_s": first["comm_total_s"],
+           "optimizer_s": first["optimizer_s"], "step_s": first["step_s"], "input_bound": first["input_bound"],
+           "img_per_s": trained / train_s, "img_per_s_per_gpu": trained / train_s / gpus, "epochs": epochs,
+           "epochs_source": epochs_source, "steps": steps_total, "evals": evals, "eval_s": eval_s,
+           "startup_s": setup.startup_s, "train_s": train_s, "time_to_train_s": time_to_train, "flops": flops,
+           "top1": setup.top1, "valid_flops": valid_flops(flops, setup.top1), "allreduce": setup.allreduce}
+    if len(terms) > 1:
+        row["phases"] = terms
+    return row
+
+
+def known_gpus() -> tuple[str, ...]:
+    return tuple(GPUS)
