@@ -44,13 +44,22 @@ def run(engine: str, nproc: int, allreduce: str, args, out: Path, ranks_per_node
 
 
 def compare_on_four_ranks(args, tmp: Path) -> None:
-    """4 ranks x 1 thread as 2 x 2: each algorithm's images/s relative to flat's, per engine."""
-    for engine in ("torch", "horovod"):
-        flat = None
-        for allreduce in ("flat", "hierarchical", "torus"):
-            rate = run(engine, 4, allreduce, args, tmp / f"four-{engine}-{allreduce}", ranks_per_node=2)
-            flat = flat or rate
-            print(f"4 ranks x 1 thread (2 x 2), {engine:7s} {allreduce:12s}: {rate:.1f} img/s, {rate / flat:.3f} x flat")
+    """4 ranks x 1 thread as 2 x 2: each algorithm's images/s relative to flat's, per engine; with
+    --repeats R, R rounds of flat, hierarchical, torus in turn, each ratio against its own round's
+    flat (this machine's speed drifts more between minutes than within one), and their median."""
+    import statistics
+    for engine in args.engines.split(","):
+        ratios = {"hierarchical": [], "torus": []}
+        for repeat in range(args.repeats):
+            flat = run(engine, 4, "flat", args, tmp / f"four-{engine}-flat-{repeat}", ranks_per_node=2)
+            for allreduce in ratios:
+                rate = run(engine, 4, allreduce, args, tmp / f"four-{engine}-{allreduce}-{repeat}", ranks_per_node=2)
+                ratios[allreduce].append(rate / flat)
+            print(f"4 ranks x 1 thread (2 x 2), {engine:7s} round {repeat + 1}: flat {flat:.1f} img/s, "
+                  + ", ".join(f"{name} {r[-1]:.3f} x flat" for name, r in ratios.items()), flush=True)
+        for name, r in ratios.items():
+            print(f"4 ranks x 1 thread (2 x 2), {engine:7s} {name:12s}: {statistics.median(r):.3f} x flat "
+                  f"(median of {len(r)})")
 
 
 def weak_scaling(args, tmp: Path) -> list[float]:
@@ -77,6 +86,8 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=3, help="steps per logging window; the first is warm-up")
     parser.add_argument("--four-ranks", type=int, default=1, help="1: also compare the all-reduce algorithms on 2 x 2 ranks")
     parser.add_argument("--two-ranks", type=int, default=1, help="0: skip the weak-scaling part (and its last line)")
+    parser.add_argument("--engines", default="torch,horovod", help="the engines of the 4-rank comparison")
+    parser.add_argument("--repeats", type=int, default=1, help="rounds of the 4-rank comparison (median)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         flat = weak_scaling(args, Path(tmp)) if args.two_ranks else []
