@@ -9,7 +9,7 @@ from train.schedule import EvalPlan
 
 def test_save_replaces_atomically_and_a_failed_write_keeps_the_old_file(tmp_path, monkeypatch):
     path = tmp_path / "checkpoint.pt"
-    checkpoint.save(path, {"step": 1, "w": torch.ones(3)})
+    checkpoint.save(path, {"step": 1, "model": {"w": torch.ones(3)}})
     assert checkpoint.load(path, torch.device("cpu"))["step"] == 1
     before = path.read_bytes()
 

@@ -98,8 +98,9 @@ def test_existing_run_is_not_overwritten(tmp_path):
     first = run_train("--out-dir", "run", *TINY, "--max-steps", 1, "--eval-every", 0, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
     before = (tmp_path / "run" / "checkpoint.pt").read_bytes()
-    again = run_train("--out-dir", "run", *TINY, "--max-steps", 1, cwd=tmp_path)
-    assert again.returncode == 2 and "already holds a run" in again.stderr
+    # the same command would continue the run (tests/test_restart.py); another run's settings are refused
+    again = run_train("--out-dir", "run", *TINY, "--max-steps", 2, "--seed", 1, cwd=tmp_path)
+    assert again.returncode == 2 and "holds a run with other settings (seed 0 there, 1 here)" in again.stderr
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
 
 

@@ -1,4 +1,6 @@
-"""The run's settings: defaults < preset (YAML) < saved config of a resumed run < command-line flags.
+"""The run's settings: defaults < preset (YAML) < saved config of a --resume'd run < command-line flags.
+The same command started again on a run directory holding its checkpoint continues the run (restart
+is resume); start-up checks that it defines the same run.
 
 Every field is a flag with the usual spelling (batch_size -> --batch-size). A preset is a name
 of a YAML file shipped in train/presets/ or a path to one.
@@ -87,7 +89,11 @@ class Config:
     max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})
     log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
-    resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt"})
+    checkpoint_every_steps: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps, written in the background (0: never)"})
+    checkpoint_every_minutes: float = field(default=0.0, metadata={"help": "also checkpoint every M minutes of training (rank 0's clock, agreed by all ranks), written in the background (0: never)"})
+    resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)"})
+    init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint.pt or a torchvision ResNet state_dict file (weights only)"})
+    restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run in --out-dir
     show_recipe: bool = field(default=False, metadata={"help": "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop"})
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
     max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
@@ -97,7 +103,7 @@ class Config:
     preset: str = field(default="", metadata={"help": "YAML preset name in train/presets or a path (default: smoke without --data-dir)"})
 
 
-FIELDS = {f.name: f for f in fields(Config)}
+FIELDS = {f.name: f for f in fields(Config) if not f.metadata.get("internal")}
 PREEMPTED_MARKER = "PREEMPTED"  # written beside checkpoint.pt when a signal stopped the run
 
 
@@ -177,7 +183,7 @@ def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m train", description="Train a ResNet on ImageNet-layout data.",
                 argument_default=argparse.SUPPRESS)
     named = choices()
-    for f in fields(Config):
+    for f in FIELDS.values():
         flag = "--" + f.name.replace("_", "-")
         one_of = f"; one of {', '.join(named[f.name])}" if f.name in named else ""
         help_text = f.metadata.get("help", "") + one_of + f" (default: {f.default!r})"
@@ -195,19 +201,24 @@ PARTNERS = {"batch_size": "global_batch_size", "global_batch_size": "batch_size"
 
 
 def parse(argv: list[str]) -> Config:
-    """Defaults, then the preset, then a resumed run's saved config, then the flags."""
+    """Defaults, then the preset, then (with --resume) the run's saved config, then the flags."""
     flags = vars(parser().parse_args(argv))
     values: dict = {}
     preset = flags.get("preset") or ("" if flags.get("data_dir") else "smoke")
     if preset:
         values.update(load_yaml_overrides(str(resolve_preset(preset)), "preset"))
         values["preset"] = preset
-    out_dir = flags.get("out_dir")
+    out_dir = flags.get("out_dir") or job_out_dir(preset)
+    if out_dir:
+        flags["out_dir"] = out_dir
     if flags.get("test_only"):
         flags["resume"] = False
-    elif out_dir and (Path(out_dir) / PREEMPTED_MARKER).exists():
-        flags["resume"] = True  # a preempted run continues by itself when started again
-    if flags.get("resume") or flags.get("test_only"):
+    elif not flags.get("resume") and out_dir and all((Path(out_dir) / name).is_file()
+                                                     for name in ("checkpoint.pt", "config.yaml")):
+        # restart is resume: the same command started again (a requeued job, a relaunched worker, a preempted
+        # run) continues its run; start-up checks that the command defines the same run (startup.check_same_run)
+        flags["resume"] = values["restarted"] = True
+    if (flags.get("resume") and not values.get("restarted")) or flags.get("test_only"):
         what = "--test-only" if flags.get("test_only") else "--resume"
         if not out_dir:
             raise UsageError(f"{what} needs --out-dir naming the run")
@@ -247,6 +258,8 @@ def validate(cfg: Config) -> Config:
     need(cfg.eval_every >= 0 and cfg.eval_offset >= 0, "--eval-every and --eval-offset must not be negative")
     need(cfg.max_steps >= 0, f"--max-steps must not be negative, got {cfg.max_steps}")
     need(cfg.log_every > 0 and cfg.checkpoint_every > 0, "--log-every and --checkpoint-every must be positive")
+    need(cfg.checkpoint_every_steps >= 0 and cfg.checkpoint_every_minutes >= 0,
+         "--checkpoint-every-steps and --checkpoint-every-minutes must not be negative")
     need(cfg.bn_group_size >= 0 and cfg.bn_recompute_batches >= 0 and cfg.torus_rows >= 0 and cfg.augment_off_epoch >= 0,
          "--bn-group-size, --bn-recompute-batches, --torus-rows and --augment-off-epoch must not be negative")
     need(not (cfg.nesterov and cfg.momentum <= 0), "--nesterov needs a positive --momentum")
@@ -268,4 +281,13 @@ def validate(cfg: Config) -> Config:
 
 
 def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
+    return {name: value for name, value in dataclasses.asdict(cfg).items() if name in FIELDS}
+
+
+def job_out_dir(preset: str) -> str:
+    """A default run directory named after the launcher's job, which a restart of the job finds again:
+    Slurm's job id (kept by a requeue), or torchrun's rendezvous id (--rdzv-id, or --standalone's, kept
+    across --max-restarts). "" without one (Horovod and mpirun give no id that survives a relaunch)."""
+    slurm, torchrun = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    name = f"slurm-{slurm}" if slurm else f"torchrun-{torchrun}" if torchrun not in ("", "none") else ""
+    return f"runs/{Path(preset).stem or 'run'}-{name}" if name else ""

@@ -27,7 +27,7 @@ from train.precision import Precision
 from train.runlog import RunLog, progress
 from train.schedule import EpochClock, EvalPlan, build_schedule
 from train.startup import (RunFinished, agreed, agreed_error, checked_setup, create_engine, ghost_group,
-                           make_out_dir, resolve_data_dir)
+                           init_weights, make_out_dir, resolve_data_dir)
 
 __all__ = ["Preempted", "RunAborted", "RunFinished", "run", "test_only"]
 
@@ -63,6 +63,7 @@ def run(cfg: Config) -> dict:
         training.log.stop(K.ABORTED)
         raise
     finally:
+        training.writer.join()  # a checkpoint still being written reaches the disk before the process ends
         training.log.close()
 
 
@@ -100,8 +101,12 @@ class Training:
         self.recent = RecentBatches(cfg.bn_recompute_batches)
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
+        self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
         if cfg.resume:
             self._resume(model, optimizer)
+        elif cfg.init_from:  # checked at start-up; every rank loads the same weights
+            model.load_state_dict(init_weights(cfg))
+            self.log.print(f"starting from the weights in {cfg.init_from}")
         self.model, self.optimizer = engine.wrap(model, optimizer)
         self.lr = self.schedule.lr(max(self.state.step, 1))
         self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
@@ -116,6 +121,8 @@ class Training:
         self.log.print(f"resuming {self.out_dir} at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of the epoch)")
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
+            for leftover in self.out_dir.glob(".checkpoint.pt.*.tmp"):  # a write cut short by a killed process
+                leftover.unlink(missing_ok=True)
 
     def start(self, init_start_ms: int, data_dir: str, note: str) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
@@ -134,7 +141,7 @@ class Training:
                              f"{', '.join(loader.empty_classes[:5])}", kind="data", empty_classes=loader.empty_classes)
         resumed_at = {"step": s.step, "epoch": s.epoch + s.step_in_epoch / self.clock.steps_in(s.epoch)}
         self.log.run_start(resumed_at if cfg.resume else None)
-        self.started = time.time()
+        self.started = self.last_checkpoint = time.time()
         s.stop = s.step >= cfg.max_steps > 0
 
     # an epoch ------------------------------------------------------------------------------------
@@ -159,8 +166,22 @@ class Training:
             if s.step == cfg.max_steps:
                 s.stop = True
                 return
-            if (engine.world_size == 1 or s.step % cfg.stop_check_every == 0) and engine.any(stop_signal.raised):
+            agreement_point = engine.world_size == 1 or s.step % cfg.stop_check_every == 0
+            if agreement_point and engine.any(stop_signal.raised):
                 self._preempt()
+            if s.step_in_epoch < self.loader.steps_per_epoch and self._checkpoint_due(agreement_point):
+                self.save()  # (at an epoch's last step, end_of_epoch decides)
+
+    def _checkpoint_due(self, agreement_point: bool) -> bool:
+        """--checkpoint-every-steps counts steps, alike on every rank; --checkpoint-every-minutes reads
+        rank 0's clock, which the ranks agree on at their agreement points (one small all-reduce)."""
+        cfg = self.cfg
+        if cfg.checkpoint_every_steps and self.state.step % cfg.checkpoint_every_steps == 0:
+            return True
+        if cfg.checkpoint_every_minutes and agreement_point:
+            late = self.engine.rank == 0 and time.time() - self.last_checkpoint >= cfg.checkpoint_every_minutes * 60
+            return self.engine.any(late)
+        return False
 
     def _follow_batch_schedule(self) -> None:
         """Batch-size control: the epoch's global batch from the schedule; the loader's per-rank batch
@@ -232,9 +253,11 @@ class Training:
         s.stop = s.stop or s.reached_target
 
     # checkpoints and the end ---------------------------------------------------------------------
-    def save(self, finished: str | None = None) -> None:
-        """Rank 0 writes; every rank checks its weights (they are the same) and learns whether the
-        write worked, so all stop together. `finished`: why the run is over (epochs, target), if it is."""
+    def save(self, finished: str | None = None, wait: bool = False) -> None:
+        """Rank 0 copies the state to host memory and writes it in the background (after the previous
+        write is done: at most one in flight); every rank checks its weights (they are the same) and
+        learns whether the previous write worked, so all stop together. The last checkpoint of a run
+        (`finished`: why the run is over, if it is) and `wait` ones are on disk when this returns."""
         share_bn_statistics(self.model, self.engine, self.cfg.bn_span)
         s, out_dir = self.state, self.out_dir
         norms = torch.stack(torch._foreach_norm([p.detach() for p in self.model.parameters()]))
@@ -244,18 +267,32 @@ class Training:
         problem = None
         if self.engine.rank == 0:
             try:
-                checkpoint.save(out_dir / "checkpoint.pt", {
+                self._wait_for_write()
+                copied = time.time()
+                state = checkpoint.host_copy({
                     "model": self.engine.unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
                     "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
                     "step_in_epoch": s.step_in_epoch, "finished": finished, "config": to_dict(self.cfg)})
+                self.writer.start(out_dir / "checkpoint.pt", state, s.step, time.time() - copied)
+                if wait or finished or s.stop or s.epoch >= self.cfg.epochs:
+                    self._wait_for_write()
             except OSError as err:
-                problem = (f"could not write {out_dir / 'checkpoint.pt'} at step {s.step} ({err.strerror or err}); "
-                           "the previous checkpoint is kept; free disk space and --resume")
+                problem = (f"could not write {out_dir / 'checkpoint.pt'} at step {self.writer.failed_step} "
+                           f"({err.strerror or err}); the previous checkpoint is kept; free disk space and start "
+                           "the same command again")
+        self.last_checkpoint = time.time()
         if self.engine.any(problem is not None):
             raise agreed_error(RunAborted(problem or "rank 0 could not write the checkpoint"))
 
+    def _wait_for_write(self) -> None:
+        """Until the background write is done; logs it, or raises its failure."""
+        self.writer.wait()
+        if self.writer.last:
+            self.log.checkpoint(**self.writer.last)
+            self.writer.last = None
+
     def _preempt(self) -> None:
-        self.save()
+        self.save(wait=True)
         step = self.state.step
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).write_text(f"step {step}\n")

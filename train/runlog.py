@@ -83,6 +83,12 @@ class RunLog:
         """A logging window of training steps: step, epoch, images, img_per_s, loss, lr, ..."""
         self.metrics(kind="train", **record, seconds=self.seconds())
 
+    def checkpoint(self, step: int, copy_s: float, write_s: float, started: float) -> None:
+        """A checkpoint reached the disk: `copy_s` on the training thread (to host memory), `write_s`
+        in the background from wall-clock time `started`."""
+        self.metrics(kind="checkpoint", step=step, copy_s=copy_s, write_s=write_s, started=started,
+                     seconds=self.seconds())
+
     def epoch_end(self, epoch: int, finished: bool, figures: dict | None) -> None:
         """The epoch's figures (None when this segment trained none of its steps); `finished`: its last step done."""
         if finished:

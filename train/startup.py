@@ -8,10 +8,12 @@ import shutil
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
+from models import build_model
 from train import checkpoint, engines
 from train.config import Config, UsageError, to_dict
 from train.precision import Precision
@@ -68,11 +70,64 @@ def checked_setup(cfg: Config, engine):
                          f"{cfg.num_classes}; check --data-dir (or --num-classes)")
     cfg = dataclasses.replace(cfg, num_classes=loader.num_classes)  # recorded in config.yaml
     _check_batch_phases(cfg, engine.world_size, loader.train_images)
+    if cfg.init_from and not cfg.resume:
+        init_weights(cfg)  # read and checked here; loaded into the model by the loop
     if engine.rank == 0:
+        if cfg.restarted:
+            check_same_run(cfg)
         _check_out_dir(cfg)
         if cfg.resume:
             _check_resume_position(cfg, loader.train_images)
     return cfg, loader, precision, data_dir, note
+
+
+# What defines a run: the same command started again must give the same values (resolved: the LR and
+# warmup chosen from the global batch, the class count found in the data). Run-length, logging,
+# checkpoint and input-thread settings may change from one start to the next.
+DEFINING = ("arch", "zero_init_residual", "init_from", "loader", "data_dir", "synthetic_images", "synthetic_classes",
+            "num_classes", "image_size", "crop_min_scale", "crop_max_scale", "crop_min_aspect", "crop_max_aspect",
+            "augment_off_epoch", "global_batch_size", "batch_schedule", "optimizer", "lr_schedule", "lr",
+            "warmup_epochs", "end_lr", "lr_decay_power", "warmup_start_lr", "lr_decay_epochs", "lr_decay_factor",
+            "lr_phases", "momentum", "weight_decay", "nesterov", "lars_eta", "lars_epsilon", "label_smoothing",
+            "sgd_share_center", "sgd_share_width", "rmsprop_lr_ratio", "rmsprop_alpha", "rmsprop_epsilon", "seed")
+
+
+def check_same_run(cfg: Config) -> None:
+    """A command that found a run in its --out-dir continues it only if it defines the same run."""
+    try:
+        saved = yaml.safe_load((Path(cfg.out_dir) / "config.yaml").read_text()) or {}
+    except (OSError, yaml.YAMLError) as err:
+        raise UsageError(f"{cfg.out_dir}/config.yaml cannot be read ({str(err).splitlines()[0]}); "
+                         "fix it or choose another --out-dir")
+
+    def same(name, old, new):
+        if name in ("data_dir", "init_from"):  # paths: the same file however it is spelled
+            return (Path(old).resolve() if old else "") == (Path(new).resolve() if new else "")
+        return old == new
+    differ = [f"{name} {saved[name]!r} there, {getattr(cfg, name)!r} here" for name in DEFINING
+              if name in saved and not same(name, saved[name], getattr(cfg, name))]
+    if differ:
+        raise UsageError(f"{cfg.out_dir} holds a run with other settings ({'; '.join(differ)}); start it with its "
+                         "own settings to continue it, --resume to change them on purpose, or choose another --out-dir")
+
+
+def init_weights(cfg: Config) -> dict:
+    """--init-from's weights (plain data only), checked against this run's model tensor by tensor."""
+    path = Path(cfg.init_from)
+    weights = checkpoint.load_weights(path, "check --init-from")
+    with torch.device("meta"):  # shapes only, nothing allocated
+        expected = build_model(cfg.arch, cfg.num_classes, cfg.zero_init_residual, cfg.channels_last).state_dict()
+    where = f"this run's {cfg.arch} with {cfg.num_classes} classes"
+    for name, tensor in expected.items():
+        if name not in weights:
+            raise UsageError(f"--init-from {path} has no {name}, which {where} needs; give weights of the same --arch")
+        if weights[name].shape != tensor.shape:
+            raise UsageError(f"--init-from {path}: {name} is {list(weights[name].shape)} there, {list(tensor.shape)} in "
+                             f"{where}; give weights of the same --arch and class count")
+    extra = next((name for name in weights if name not in expected), None)
+    if extra:
+        raise UsageError(f"--init-from {path} holds {extra}, which {where} does not have; give weights of the same --arch")
+    return weights
 
 
 def _check_resume_position(cfg: Config, train_images: int) -> None:
@@ -130,7 +185,8 @@ def _check_out_dir(cfg: Config) -> None:
         if done:
             raise RunFinished(f"{out_dir} holds a finished run ({done}); nothing to do, its files are unchanged")
     if not cfg.resume and any((out_dir / name).exists() for name in RUN_FILES):
-        raise UsageError(f"{out_dir} already holds a run; pass --resume to continue it or choose another --out-dir")
+        raise UsageError(f"{out_dir} already holds a run without the checkpoint.pt and config.yaml to continue it "
+                         "from; choose another --out-dir or remove it")
 
 
 def _nothing_left(cfg: Config, saved: dict) -> str:

@@ -1,0 +1,158 @@
+"""Restart is resume: the same command started again continues its run from the latest checkpoint
+(step and time checkpoints included, bit-exactly on CPU), finds its run directory from the launcher's
+job id, refuses a folder holding a differently defined run; and --init-from starts a new run from
+other weights."""
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torchvision
+
+from helpers import child_env, launch, read_metrics, run_train
+from train import checkpoint
+
+# 128 images at global batch 8: 16 steps per epoch
+RUN = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 128,
+       "--synthetic-val-images", 16, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 2,
+       "--eval-every", 0, "--log-every", 4]
+
+
+def weights(run_dir):
+    return torch.load(run_dir / "checkpoint.pt", weights_only=True)
+
+
+def assert_same_training(a, b):
+    assert a["step"] == b["step"]
+    for key in a["model"]:
+        assert torch.equal(a["model"][key], b["model"][key]), key
+    for key, state in a["optimizer"]["state"].items():
+        assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"]), key
+
+
+def test_a_killed_run_started_again_continues_from_its_step_checkpoint_bit_exactly(tmp_path):
+    command = ["--out-dir", "run", *RUN, "--checkpoint-every-steps", 5]
+    whole = run_train("--out-dir", "whole", *RUN, cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr
+    # SIGKILL (no handler runs) once a mid-epoch step checkpoint is on disk
+    proc = subprocess.Popen([sys.executable, "-m", "train", *map(str, command)], cwd=tmp_path, env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    saved = tmp_path / "run" / "checkpoint.pt"
+    deadline = time.time() + 120
+    while not saved.exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait() == -signal.SIGKILL
+    killed_at = checkpoint.peek(saved)
+    assert killed_at["step"] % 5 == 0 and killed_at["step_in_epoch"] > 0 and not killed_at["finished"]
+
+    again = run_train(*command, cwd=tmp_path)  # the same command, no --resume
+    assert again.returncode == 0, again.stderr
+    assert f"resuming run at step {killed_at['step']}" in again.stdout
+    assert_same_training(weights(tmp_path / "whole"), weights(tmp_path / "run"))
+    assert not [p for p in (tmp_path / "run").iterdir() if p.name.endswith(".tmp")]  # the killed write's leftovers
+    written = [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "checkpoint"]
+    assert {15, 16, 20, 25, 30, 32} <= set(written)  # every 5 steps, and at the epoch ends (16 steps each)
+
+
+def test_checkpoints_every_few_minutes_agree_over_two_ranks_and_resume_bit_exactly(tmp_path):
+    """Rank 0's clock decides, at the ranks' agreement points (every --stop-check-every steps); a run
+    stopped there and started again ends where an uninterrupted one does."""
+    command = ["-m", "train", "--out-dir", "run", *RUN, "--checkpoint-every-minutes", 0.001, "--stop-check-every", 3]
+    first = launch("torch", 2, *command, "--max-steps", 20, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    written = [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "checkpoint"]
+    timed = [step for step in written if step not in (16, 20)]  # (16: epoch 1's end; 20: the last step)
+    assert len(timed) >= 3 and all(step % 3 == 0 for step in timed) and written[-1] == 20, written
+    second = launch("torch", 2, *command, cwd=tmp_path)  # no --max-steps: the rest of the run
+    assert second.returncode == 0 and "resuming run at step 20" in second.stdout, second.stderr[-3000:]
+    whole = launch("torch", 2, "-m", "train", "--out-dir", "whole", *RUN, cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "run")
+    for key in a["model"]:
+        if "running" not in key:  # BN running averages are averaged over the ranks at each checkpoint
+            assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+def test_a_folder_holding_another_run_is_refused_naming_the_settings(tmp_path):
+    first = run_train("--out-dir", "run", *RUN, "--max-steps", 3, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    other = run_train("--out-dir", "run", *RUN, "--max-steps", 6, "--seed", 1, "--arch", "resnet34", cwd=tmp_path)
+    assert other.returncode == 2, other.stderr
+    lines = other.stderr.strip().splitlines()
+    assert lines == ["error: run holds a run with other settings (arch 'resnet18' there, 'resnet34' here; seed 0 "
+                     "there, 1 here); start it with its own settings to continue it, --resume to change them on purpose, or "
+                     "choose another --out-dir"]
+    assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
+    # run-length, logging and checkpoint settings may change
+    longer = run_train("--out-dir", "run", *RUN, "--max-steps", 6, "--log-every", 1, "--checkpoint-every-steps", 4,
+                       "--workers", 1, cwd=tmp_path)
+    assert longer.returncode == 0 and "resuming run at step 3" in longer.stdout, longer.stderr
+    assert weights(tmp_path / "run")["step"] == 6
+
+
+@pytest.mark.parametrize("variable, value, folder", [("SLURM_JOB_ID", "4242", "smoke-slurm-4242"),
+                                                     ("TORCHELASTIC_RUN_ID", "job7", "smoke-torchrun-job7")])
+def test_without_out_dir_the_run_directory_comes_from_the_job_and_a_restart_finds_it(tmp_path, variable, value,
+                                                                                      folder):
+    env = {variable: value}
+    first = run_train(*RUN, "--max-steps", 3, cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr
+    assert [p.name for p in (tmp_path / "runs").iterdir()] == [folder]
+    again = run_train(*RUN, "--max-steps", 5, cwd=tmp_path, env=env)
+    assert again.returncode == 0 and f"resuming runs{os.sep}{folder} at step 3" in again.stdout, again.stderr
+    assert weights(tmp_path / "runs" / folder)["step"] == 5
+
+
+def test_without_a_job_id_each_start_is_a_new_timestamped_run(tmp_path):
+    env = {"SLURM_JOB_ID": "", "TORCHELASTIC_RUN_ID": "none"}
+    first = run_train(*RUN, "--max-steps", 1, cwd=tmp_path, env=env)
+    assert first.returncode == 0, first.stderr
+    time.sleep(1.1)  # the folder's name has the time to the second
+    again = run_train(*RUN, "--max-steps", 1, cwd=tmp_path, env=env)
+    assert again.returncode == 0 and "resuming" not in again.stdout, again.stderr
+    assert len(list((tmp_path / "runs").iterdir())) == 2
+
+
+def fc_free_run(tmp_path, name, *flags):
+    """A one-step run whose weights barely move (plain SGD, a tiny LR), to see where it started."""
+    result = run_train("--out-dir", name, *RUN, "--max-steps", 1, "--optimizer", "sgd", "--lr", 1e-12, "--momentum", 0,
+                       "--weight-decay", 0, *flags, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    return result, weights(tmp_path / name)["model"]
+
+
+def test_init_from_another_runs_checkpoint_or_a_torchvision_state_dict(tmp_path):
+    source = run_train("--out-dir", "source", *RUN, "--max-steps", 4, "--seed", 3, cwd=tmp_path)
+    assert source.returncode == 0, source.stderr
+    trained = weights(tmp_path / "source")["model"]
+    torchvision_file = tmp_path / "resnet18.pth"
+    torch.manual_seed(5)
+    torch.save(torchvision.models.resnet18(num_classes=10).state_dict(), torchvision_file)
+    from_torchvision = torch.load(torchvision_file, weights_only=True)
+    _, fresh = fc_free_run(tmp_path, "fresh")
+    for name, start in (("from-run", trained), ("from-torchvision", from_torchvision)):
+        result, model = fc_free_run(tmp_path, name, "--init-from", tmp_path / ("source/checkpoint.pt" if name == "from-run"
+                                                                             else "resnet18.pth"))
+        assert "starting from the weights in" in result.stdout
+        assert torch.allclose(model["conv1.weight"], start["conv1.weight"], atol=1e-6)
+        assert torch.allclose(model["fc.weight"], start["fc.weight"], atol=1e-6)
+        assert not torch.allclose(model["conv1.weight"], fresh["conv1.weight"], atol=1e-3)
+        assert weights(tmp_path / name)["step"] == 1  # a new run: its own steps from 0
+
+
+def test_init_from_weights_of_another_shape_names_the_first_differing_tensor(tmp_path):
+    torch.save(torchvision.models.resnet18().state_dict(), tmp_path / "imagenet.pth")  # 1000 classes
+    result = run_train("--out-dir", "run", *RUN, "--max-steps", 1, "--init-from", "imagenet.pth", cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().splitlines() == [
+        "error: --init-from imagenet.pth: fc.weight is [1000, 512] there, [10, 512] in this run's resnet18 with 10 "
+        "classes; give weights of the same --arch and class count"]
+    assert not (tmp_path / "run").exists()
+    torch.save(torchvision.models.resnet34(num_classes=10).state_dict(), tmp_path / "resnet34.pth")
+    result = run_train("--out-dir", "run", *RUN, "--max-steps", 1, "--init-from", "resnet34.pth", cwd=tmp_path)
+    assert result.returncode == 2 and "holds layer1.2.conv1.weight, which this run's resnet18" in result.stderr
