@@ -1,5 +1,5 @@
-"""What every loader shares (the settings it is given, the sample sources, the sampler, the Loader
-interface) and the synthetic loader. The file loaders are data/torch_loader.py and data/dali.py;
+"""What every loader shares (the settings it is given, the sampler, the Loader interface; the sample
+sources are data/sources.py) and the synthetic loader. The file loaders are data/torch_loader.py and data/dali.py;
 data/__init__.py chooses one by name.
 
 A Loader knows its sizes and yields device batches; the loop never asks which one it has.
@@ -11,7 +11,7 @@ import torch
 
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import synthetic_batch
-from data.sources import FolderSource, ShardSource, first_readable, open_split  # noqa: F401 (the loaders' names)
+from data.sources import open_split
 from data.tree import DataError
 
 @dataclass(frozen=True)

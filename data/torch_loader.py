@@ -22,7 +22,8 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from data.decode import BadImage, Encoded
-from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, FileLoader, first_readable
+from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, FileLoader
+from data.sources import first_readable
 
 BATCHES_IN_FLIGHT = 2  # the batch being consumed plus one being filled
 

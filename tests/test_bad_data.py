@@ -11,7 +11,7 @@ from PIL import Image
 from helpers import read_metrics, run_train
 from data.embedded import ensure_embedded
 from data.decode import BadImage, load_rgb
-from data.loaders import FolderSource
+from data.sources import FolderSource
 from data.tree import check_tree
 from data.torch_loader import TorchLoader, TrainCrop, train_item
 from train.config import Config

@@ -12,7 +12,7 @@ from PIL import Image
 
 import data.shards as shards_module
 from helpers import REPO
-from data.loaders import FolderSource
+from data.sources import FolderSource
 from data.tree import check_tree
 from data.shards import ShardSamples, write_shards
 from data.torch_loader import TorchLoader

@@ -9,7 +9,7 @@ import torch
 
 from helpers import REPO, read_metrics, run_train
 from data.embedded import ensure_embedded
-from data.loaders import FolderSource
+from data.sources import FolderSource
 from data.tree import check_tree
 from data.torch_loader import TorchLoader
 from data.shards import ShardSamples, write_shards

@@ -10,7 +10,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from data.loaders import open_split
+from data.sources import open_split
 from data.tree import check_tree
 from train.config import Config, UsageError, to_dict
 from train.engines import detect_launch

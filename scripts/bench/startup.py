@@ -23,7 +23,7 @@ import torch  # noqa: E402
 
 from data import LoaderSettings  # noqa: E402
 from data.index import _index_paths  # noqa: E402
-from data.loaders import FolderSource  # noqa: E402
+from data.sources import FolderSource  # noqa: E402
 from data.torch_loader import TorchLoader  # noqa: E402
 from data.tree import check_tree, list_samples  # noqa: E402
 
