@@ -231,6 +231,13 @@ def parse(argv: list[str]) -> Config:
     for name, partner in PARTNERS.items():
         if name in flags and partner not in flags:
             values[partner] = FIELDS[partner].default
+    if values.get("restarted") and "global_batch_size" not in flags:
+        # the global batch defines the run: a restart on another rank count (an elastic launcher's) keeps it,
+        # whatever per-rank batch the command names; the per-rank batch follows from the rank count
+        saved = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config").get("global_batch_size")
+        if saved:
+            flags.pop("batch_size", None)
+            values.update(batch_size=0, global_batch_size=saved)
     values.update(flags)
     return validate(Config(**values))
 

@@ -57,6 +57,9 @@ def agreed(engine, step):
 def checked_setup(cfg: Config, engine):
     """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, note)."""
     precision = Precision(cfg.precision, engine.device)
+    if cfg.restarted and cfg.global_batch_size % engine.world_size:
+        raise UsageError(f"{cfg.out_dir} holds a run of global batch {cfg.global_batch_size}, which does not divide "
+                         f"over {engine.world_size} ranks; continue it on a rank count that divides it")
     batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size)
     cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
     lr, warmup, note = lr_and_warmup(cfg, global_batch)
