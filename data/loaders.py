@@ -77,6 +77,11 @@ class Loader:
     def val_batches(self):
         raise NotImplementedError
 
+    def positions(self, step: int) -> range:
+        """This rank's positions in the epoch's global order at `step` of the epoch (the loop's ledger
+        of trained samples: each position once per epoch, whatever the rank count)."""
+        raise NotImplementedError
+
     def set_batch_size(self, per_rank: int) -> None:
         """Batch-size control: this rank's training batch (and so the steps per epoch) from the next
         train_batches on. Every image still appears once per epoch."""
@@ -100,6 +105,9 @@ class FileLoader(Loader):
         if self.train_source.targets is not None:
             counts = torch.bincount(torch.as_tensor(self.train_source.targets, dtype=torch.int64), minlength=len(classes))
             self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
+
+    def positions(self, step: int) -> range:
+        return self.sampler.positions(step)
 
     def set_batch_size(self, per_rank: int) -> None:
         self.sampler.batch_size, self.sampler.global_batch = per_rank, per_rank * self.sampler.world_size
@@ -130,11 +138,14 @@ class SyntheticLoader(Loader):
         self.batch_size, self.global_batch = per_rank, per_rank * self.world_size
         self.steps_per_epoch = self.train_images // self.global_batch
 
+    def positions(self, step: int) -> range:
+        first = step * self.global_batch + self.rank * self.batch_size
+        return range(first, first + self.batch_size)
+
     def train_batches(self, epoch, start_step=0, augment=True):  # random tensors: nothing to augment
-        b = self.batch_size
         for step in range(start_step, self.steps_per_epoch):
-            global_index = epoch * self.train_images + step * self.global_batch + self.rank * b
-            yield self._batch(torch.arange(global_index, global_index + b))
+            here = self.positions(step)
+            yield self._batch(torch.arange(here.start, here.stop) + epoch * self.train_images)
 
     def val_batches(self):
         for batch in eval_batches(self.val_images, self.cfg.batch_size, self.rank, self.world_size):

@@ -41,11 +41,15 @@ class TrainBatchSampler:
     def __len__(self) -> int:
         return self.num_items // self.global_batch - self.start_step
 
+    def positions(self, step: int) -> range:
+        """This rank's positions in the epoch's global order at `step`."""
+        first = step * self.global_batch + self.rank * self.batch_size
+        return range(first, first + self.batch_size)
+
     def __iter__(self):
         order = epoch_permutation(self.num_items, self.seed, self.epoch).tolist()
         for step in range(self.start_step, self.num_items // self.global_batch):
-            first = step * self.global_batch + self.rank * self.batch_size
-            yield [(order[p], sample_seed(self.seed, self.epoch, p)) for p in range(first, first + self.batch_size)]
+            yield [(order[p], sample_seed(self.seed, self.epoch, p)) for p in self.positions(step)]
 
 
 def eval_batches(num_items: int, batch_size: int, rank: int = 0, world_size: int = 1):

@@ -5,7 +5,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import read_metrics, run_train
+from helpers import launch, read_metrics, run_train
 
 RUN = ["--arch", "resnet18", "--epochs", 2, "--workers", 2, "--log-every", 4]
 
@@ -119,3 +119,35 @@ def test_the_class_count_is_recorded_checked_on_resume_and_may_be_absent_in_olde
     resumed = run_train("--out-dir", "run", "--resume", "--max-steps", 0, cwd=tmp_path)
     assert resumed.returncode == 0 and "resuming run at step 5" in resumed.stdout, resumed.stderr
     assert yaml.safe_load(config.read_text())["num_classes"] == 10
+
+
+def each_position_once(count: int) -> dict:
+    """The ledger of an epoch whose positions 0 .. count-1 were each trained once."""
+    return {"count": count, "sum": count * (count - 1) // 2, "sum_sq": sum(p * p for p in range(count))}
+
+
+def test_a_run_continued_on_another_rank_count_keeps_its_global_batch_and_trains_each_image_once(tmp_path):
+    """3 ranks, then 2 (what an elastic launcher does after losing a node), then 1: the per-rank batch
+    follows the run's global batch, whatever --batch-size says; every epoch's positions are trained
+    exactly once over the segments; the training clock goes on from where the last segment stopped."""
+    command = ["-m", "train", "--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16,
+               "--synthetic-images", 96, "--synthetic-val-images", 12, "--synthetic-classes", 10, "--batch-size", 8,
+               "--epochs", 2, "--eval-every", 0]  # global batch 3 x 8 = 24: 4 steps per epoch
+    first = launch("torch", 3, *command, "--max-steps", 2, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = launch("torch", 2, *command, "--max-steps", 6, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "2 rank(s) x batch 12 = global batch 24" in second.stdout
+    third = launch("none", 1, *command, cwd=tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "1 rank(s) x batch 24 = global batch 24" in third.stdout
+    records = read_metrics(tmp_path / "run")
+    epochs = [r for r in records if r["kind"] == "epoch" and r["epoch"] in (1.0, 2.0)]
+    assert [r["step"] for r in epochs] == [4, 8]
+    assert all(r["samples"] == each_position_once(96) for r in epochs), epochs
+    resumes = [r for r in records if r["kind"] == "resume"]
+    assert [r["step"] for r in resumes] == [2, 6]
+    before = [r for r in records[:records.index(resumes[0])] if "seconds" in r]
+    assert resumes[0]["seconds"] == before[-1]["seconds"] > 0  # (the last record before, replicas, has none)
+    too_many = launch("torch", 5, *command, cwd=tmp_path)  # 24 does not divide over 5 ranks
+    assert too_many.returncode != 0 and "does not divide over 5 ranks" in too_many.stderr

@@ -102,6 +102,7 @@ class Training:
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
+        self.ledger = SampleLedger()
         if cfg.resume:
             self._resume(model, optimizer)
         elif cfg.init_from:  # checked at start-up; every rank loads the same weights
@@ -118,6 +119,7 @@ class Training:
         self.precision.load_state_dict(saved["precision"])
         s = self.state
         s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
+        self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
         self.log.print(f"resuming {self.out_dir} at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of the epoch)")
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
@@ -156,6 +158,7 @@ class Training:
         batches = progress(self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch)),
                            self.loader.steps_per_epoch - s.step_in_epoch, engine.rank == 0, f"epoch {s.epoch + 1}")
         for images, labels in batches:
+            self.ledger.add(self.loader.positions(s.step_in_epoch))
             loss = self.train_step(images, labels)
             self.recent.add(images)
             window.add(loss)
@@ -220,15 +223,17 @@ class Training:
         mean_loss, seconds = self.epoch_meter.mean(self.engine), self.epoch_meter.seconds()
         skipped = self._skipped("training")
         self._check_finite()
+        samples = dict(zip(("count", "sum", "sum_sq"), self.ledger.total(self.engine)))
         finished = s.step_in_epoch == steps_per_epoch
         if finished:
             s.epoch, s.step_in_epoch = s.epoch + 1, 0
+            self.ledger = SampleLedger()
         figures = None
         if self.epoch_meter.steps:  # (none when a run resumes right after an epoch's last step)
             figures = dict(step=s.step, epoch=s.epoch + s.step_in_epoch / steps_per_epoch,
                            images=self.clock.images(s.step), epoch_seconds=round(seconds, 3),
                            img_per_s=round(self._images_of(self.epoch_meter) / seconds, 2),
-                           loss=mean_loss, lr=self.lr, skipped_images=skipped)
+                           loss=mean_loss, lr=self.lr, skipped_images=skipped, samples=samples)
         self.log.epoch_end(number, finished, figures)
         last = s.epoch >= cfg.epochs
         if cfg.eval_every and ((finished and self.eval_plan.due(number)) or last or s.stop):
@@ -264,6 +269,7 @@ class Training:
         if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
             raise agreed_error(Diverged(f"weights are not finite at step {s.step}; stopped, last good checkpoint "
                                         f"kept in {out_dir}; lower --lr"))
+        samples = self.ledger.total(self.engine)
         problem = None
         if self.engine.rank == 0:
             try:
@@ -272,7 +278,8 @@ class Training:
                 state = checkpoint.host_copy({
                     "model": self.engine.unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
                     "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
-                    "step_in_epoch": s.step_in_epoch, "finished": finished, "config": to_dict(self.cfg)})
+                    "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished,
+                    "config": to_dict(self.cfg)})
                 self.writer.start(out_dir / "checkpoint.pt", state, s.step, time.time() - copied)
                 if wait or finished or s.stop or s.epoch >= self.cfg.epochs:
                     self._wait_for_write()
@@ -365,6 +372,31 @@ class StopSignal:
         self.raised = True
         if signum == signal.SIGINT:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class SampleLedger:
+    """The positions of the epoch's global order trained so far, as count, sum and sum of squares: each
+    position once (count = steps x global batch, sum = 0 + 1 + ...) shows in the log that no image was
+    trained twice or skipped, across resumes and rank-count changes. `saved`: the total over all ranks
+    at the last `total` (kept in checkpoints); `mine`: this rank's since."""
+
+    def __init__(self, saved=(0, 0, 0)):
+        self.saved, self.mine = [int(x) for x in saved], [0, 0, 0]
+
+    def add(self, positions: range) -> None:
+        first, n = positions.start, len(positions)
+        for i, value in enumerate((n, n * first + n * (n - 1) // 2, _squares_below(first + n) - _squares_below(first))):
+            self.mine[i] += value
+
+    def total(self, engine) -> list[int]:
+        """The epoch's total so far over all ranks (one small all-reduce; every rank calls it)."""
+        mine = engine.all_reduce_sum(torch.tensor(self.mine, dtype=torch.int64, device=engine.device)).tolist()
+        self.saved, self.mine = [a + b for a, b in zip(self.saved, mine)], [0, 0, 0]
+        return list(self.saved)
+
+
+def _squares_below(n: int) -> int:
+    return (n - 1) * n * (2 * n - 1) // 6
 
 
 class LossMeter:

@@ -25,7 +25,7 @@ class RunLog:
         """out_dir None: a silent log (ranks other than 0)."""
         self.enabled, self.cfg, self.eval_plan = out_dir is not None, cfg, eval_plan
         self.mllog = None
-        self._started, self._offset, self._last_record = time.time(), 0.0, None
+        self._started, self._offset, self._previous = time.time(), 0.0, {}
         if not self.enabled:
             return
         logger = logging.getLogger(f"trainer.mllog.{id(self)}")
@@ -34,7 +34,7 @@ class RunLog:
         self._handler = logging.FileHandler(out_dir / "mllog.txt")
         logger.addHandler(self._handler)
         self.mllog = MLLogger(logger=logger, default_stack_offset=2)
-        self._last_record = _last_record(out_dir / "metrics.jsonl")
+        self._previous = _previous_segment(out_dir / "metrics.jsonl")
         self._metrics = open(out_dir / "metrics.jsonl", "a", buffering=1)
 
     # what happened -------------------------------------------------------------------------------
@@ -66,7 +66,7 @@ class RunLog:
         self._end(K.INIT_STOP)
         self._start(K.RUN_START)
         self._started = time.time()
-        last = self._last_record or {}
+        last = self._previous
         self._offset = float(last.get("seconds", 0.0)) if resumed_at else 0.0
         if resumed_at:
             gap = round(self._started - last["time"], 3) if "time" in last else None
@@ -179,16 +179,21 @@ def _optimizer_keys(cfg, schedule) -> list[tuple[str, object]]:
     return keys + [(K.OPT_LR_WARMUP_EPOCHS, cfg.warmup_epochs)]
 
 
-def _last_record(path: Path) -> dict | None:
-    """The last complete JSON line of metrics.jsonl, if the file exists (a resumed run's)."""
-    if not path.is_file():
-        return None
-    for line in reversed(path.read_text(errors="replace").splitlines()):
+def _previous_segment(path: Path) -> dict:
+    """Where a resumed run's metrics.jsonl left off: the training `seconds` of its last record that has
+    them (not every kind does) and the wall-clock `time` of its last complete line."""
+    found: dict = {}
+    lines = reversed(path.read_text(errors="replace").splitlines()) if path.is_file() else []
+    for line in lines:
         try:
-            return json.loads(line)
+            record = json.loads(line)
         except json.JSONDecodeError:  # a line cut off by a crash
             continue
-    return None
+        found.setdefault("time", record.get("time"))
+        if "seconds" in record:
+            found["seconds"] = record["seconds"]
+            break
+    return {key: value for key, value in found.items() if value is not None}
 
 
 def progress(iterable, total: int, enabled: bool, desc: str):
