@@ -77,6 +77,25 @@ def test_checkpoints_every_few_minutes_agree_over_two_ranks_and_resume_bit_exact
             assert torch.equal(a["model"][key], b["model"][key]), key
 
 
+def test_rank_0s_clock_alone_decides_the_minute_checkpoints(tmp_path):
+    """Rank 1's clock runs a thousand times slow, so by its own clock no checkpoint is ever due: the
+    ranks must still checkpoint together when rank 0's says so (each rank deciding alone would have
+    rank 0 in the checkpoint's collectives while rank 1 trains on)."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(
+        "import os, time\n"
+        "if os.environ.get('RANK') == '1':\n"
+        "    _real, _start = time.time, time.time()\n"
+        "    time.time = lambda: _start + (_real() - _start) / 1000\n")
+    env = {"PYTHONPATH": os.pathsep.join([str(hook), child_env()["PYTHONPATH"]])}
+    result = launch("torch", 2, "-m", "train", "--out-dir", "run", *RUN, "--checkpoint-every-minutes", 0.001,
+                    "--stop-check-every", 3, "--max-steps", 10, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    written = [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "checkpoint"]
+    assert {3, 6, 9} <= set(written), written
+
+
 def test_a_folder_holding_another_run_is_refused_naming_the_settings(tmp_path):
     first = run_train("--out-dir", "run", *RUN, "--max-steps", 3, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -93,6 +112,25 @@ def test_a_folder_holding_another_run_is_refused_naming_the_settings(tmp_path):
                        "--workers", 1, cwd=tmp_path)
     assert longer.returncode == 0 and "resuming run at step 3" in longer.stdout, longer.stderr
     assert weights(tmp_path / "run")["step"] == 6
+
+
+def test_a_folder_holding_a_runs_logs_but_no_checkpoint_is_refused_not_restarted(tmp_path):
+    """A folder holding a run's logs (metrics.jsonl, mllog.txt) but neither its checkpoint.pt nor its
+    config.yaml has nothing to continue from and no record of what run it was: a start there is
+    refused and leaves the files as they were, instead of training over them."""
+    first = run_train("--out-dir", "run", *RUN, "--max-steps", 2, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    for name in ("checkpoint.pt", "config.yaml"):
+        (tmp_path / "run" / name).unlink()
+    before = {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()}
+    assert {"mllog.txt", "metrics.jsonl"} <= set(before)
+    for flags in ([], ["--resume"]):
+        again = run_train("--out-dir", "run", *RUN, "--max-steps", 4, *flags, cwd=tmp_path)
+        assert again.returncode == 2, again.stderr
+        assert len(again.stderr.strip().splitlines()) == 1 and "resuming" not in again.stdout, again.stderr
+        assert ("already holds a run without the checkpoint.pt and config.yaml" if not flags
+                else "holds no config.yaml for --resume") in again.stderr
+        assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
 
 
 @pytest.mark.parametrize("variable, value, folder", [("SLURM_JOB_ID", "4242", "smoke-slurm-4242"),
