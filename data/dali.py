@@ -190,10 +190,11 @@ class DaliLoader(FileLoader):
         record.start(passes.count, self._rank_order(epoch), start_step)
         counted = set()  # this epoch's unreadable files, each counted once
         count = len(self.train_source)
-        for images, meta in passes.outputs(token):
+        for step, (images, meta) in enumerate(passes.outputs(token), start_step):
             images, labels, meta = self._batch(images, meta)
             for _, index, skipped in meta[meta[:, 2] > 0].tolist():
                 self._note_skipped([self.train_source.name((index + k) % count) for k in range(skipped)], counted)
+            self.last_positions = self.sampler.positions(step)  # the readers' rows from start_step on
             yield images, labels
 
     def _eval_feed(self):

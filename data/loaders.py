@@ -47,6 +47,9 @@ EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre
 class Loader:
     """Sizes plus two iterators of device batches, and a tally of unreadable files skipped."""
     empty_classes: list[str] = []
+    # the positions in the epoch's global order of the training batch handed out last (the loop's
+    # ledger: each position once per epoch, whatever the rank count)
+    last_positions: range = range(0)
 
     def __init__(self, num_classes, train_images, val_images, steps_per_epoch):
         self.num_classes, self.train_images = num_classes, train_images
@@ -77,11 +80,6 @@ class Loader:
     def val_batches(self):
         raise NotImplementedError
 
-    def positions(self, step: int) -> range:
-        """This rank's positions in the epoch's global order at `step` of the epoch (the loop's ledger
-        of trained samples: each position once per epoch, whatever the rank count)."""
-        raise NotImplementedError
-
     def set_batch_size(self, per_rank: int) -> None:
         """Batch-size control: this rank's training batch (and so the steps per epoch) from the next
         train_batches on. Every image still appears once per epoch."""
@@ -105,9 +103,6 @@ class FileLoader(Loader):
         if self.train_source.targets is not None:
             counts = torch.bincount(torch.as_tensor(self.train_source.targets, dtype=torch.int64), minlength=len(classes))
             self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
-
-    def positions(self, step: int) -> range:
-        return self.sampler.positions(step)
 
     def set_batch_size(self, per_rank: int) -> None:
         self.sampler.batch_size, self.sampler.global_batch = per_rank, per_rank * self.sampler.world_size
@@ -138,14 +133,11 @@ class SyntheticLoader(Loader):
         self.batch_size, self.global_batch = per_rank, per_rank * self.world_size
         self.steps_per_epoch = self.train_images // self.global_batch
 
-    def positions(self, step: int) -> range:
-        first = step * self.global_batch + self.rank * self.batch_size
-        return range(first, first + self.batch_size)
-
     def train_batches(self, epoch, start_step=0, augment=True):  # random tensors: nothing to augment
         for step in range(start_step, self.steps_per_epoch):
-            here = self.positions(step)
-            yield self._batch(torch.arange(here.start, here.stop) + epoch * self.train_images)
+            first = step * self.global_batch + self.rank * self.batch_size
+            self.last_positions = range(first, first + self.batch_size)
+            yield self._batch(torch.arange(first, first + self.batch_size) + epoch * self.train_images)
 
     def val_batches(self):
         for batch in eval_batches(self.val_images, self.cfg.batch_size, self.rank, self.world_size):

@@ -46,10 +46,16 @@ class TrainBatchSampler:
         first = step * self.global_batch + self.rank * self.batch_size
         return range(first, first + self.batch_size)
 
-    def __iter__(self):
+    def batches(self):
+        """(positions, batch) for each step from `start_step` on: this rank's positions in the epoch's
+        order and its batch of (dataset index, augmentation seed)."""
         order = epoch_permutation(self.num_items, self.seed, self.epoch).tolist()
         for step in range(self.start_step, self.num_items // self.global_batch):
-            yield [(order[p], sample_seed(self.seed, self.epoch, p)) for p in self.positions(step)]
+            positions = self.positions(step)
+            yield positions, [(order[p], sample_seed(self.seed, self.epoch, p)) for p in positions]
+
+    def __iter__(self):
+        return (batch for _, batch in self.batches())
 
 
 def eval_batches(num_items: int, batch_size: int, rank: int = 0, world_size: int = 1):

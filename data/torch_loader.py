@@ -185,7 +185,15 @@ class TorchLoader(FileLoader):
     def train_batches(self, epoch, start_step=0, augment=True):
         self.sampler.epoch, self.sampler.start_step = epoch, start_step
         crop = self.train_crop if augment else self.eval_crop  # without augmentation: the evaluation transform
-        return self._batches(iter(self.sampler), lambda batch, slot, key: self._train_slot(batch, slot, key, crop))
+        positions = deque()  # of the batches handed to the threads, in order
+
+        def keys():
+            for where, batch in self.sampler.batches():
+                positions.append(where)
+                yield batch
+        for batch in self._batches(keys(), lambda batch, slot, key: self._train_slot(batch, slot, key, crop)):
+            self.last_positions = positions.popleft()
+            yield batch
 
     def val_batches(self):
         return self._batches(self.eval_batches, self._eval_slot)

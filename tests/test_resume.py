@@ -151,3 +151,49 @@ def test_a_run_continued_on_another_rank_count_keeps_its_global_batch_and_trains
     assert resumes[0]["seconds"] == before[-1]["seconds"] > 0  # (the last record before, replicas, has none)
     too_many = launch("torch", 5, *command, cwd=tmp_path)  # 24 does not divide over 5 ranks
     assert too_many.returncode != 0 and "does not divide over 5 ranks" in too_many.stderr
+
+
+def test_a_horovod_run_resumes_with_its_optimizer_state(tmp_path):
+    """Horovod's DistributedOptimizer is a new optimizer over the same parameters: the resumed run's
+    momentum must reach it (2 ranks: the averaged gradients are exact, so the runs agree bit for bit)."""
+    command = ["-m", "train", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 64,
+               "--synthetic-val-images", 8, "--synthetic-classes", 10, "--batch-size", 8, "--epochs", 1,
+               "--eval-every", 0, "--optimizer", "sgd", "--lr", 0.05]  # 4 steps
+    whole = launch("horovod", 2, *command, "--out-dir", "whole", cwd=tmp_path)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    first = launch("horovod", 2, *command, "--out-dir", "parts", "--max-steps", 2, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = launch("horovod", 2, *command, "--out-dir", "parts", cwd=tmp_path)
+    assert second.returncode == 0 and "resuming parts at step 2" in second.stdout, second.stderr[-3000:]
+    a, b = weights(tmp_path / "whole"), weights(tmp_path / "parts")
+    assert a["step"] == b["step"] == 4
+    for key in a["model"]:
+        if "running" not in key:  # (BN running averages are averaged over the ranks at each checkpoint)
+            assert torch.equal(a["model"][key], b["model"][key]), key
+
+
+def test_a_run_lost_before_its_first_checkpoint_starts_again_when_restarted(tmp_path):
+    """A restart (the same command) finding config.yaml and logs but no checkpoint starts the run again
+    from step 0 with fresh logs, instead of refusing the folder."""
+    import signal
+    import subprocess
+    import sys
+    from helpers import child_env, wait_until
+    command = ["-m", "train", "--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", "16",
+               "--synthetic-images", "256", "--synthetic-val-images", "8", "--synthetic-classes", "10",
+               "--batch-size", "8", "--epochs", "1", "--eval-every", "0", "--log-every", "1"]  # 32 steps, one epoch
+    proc = subprocess.Popen([sys.executable, *command], cwd=tmp_path, env=child_env(),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and '"train"' in metrics.read_text(), 120, "a logged step", alive=[proc])
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
+    again = subprocess.run([sys.executable, *command], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                           timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert "holds no checkpoint of its run yet: starting it again from step 0" in again.stdout
+    steps = [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
+    assert steps == list(range(1, 33))  # the lost attempt's records are gone, not doubled

@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from helpers import REPO, compliance, read_metrics
 
@@ -74,3 +75,56 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
     assert "requeueing" in log and "resuming" in log and "(restart 1)" in log
     steps = [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert steps[-1] == 30 and len(steps) == len(set(steps)) == 30  # every step once, across the two attempts
+
+
+def test_a_requeued_job_continues_from_its_step_checkpoint_and_finishes(slurm, tmp_path):
+    """`scontrol requeue` of a running 2-task job (what a node failure with --requeue does): Slurm ends
+    the tasks; the job starts again under the same id and the same command continues the run from its
+    latest checkpoint (restart is resume), to the run's last step."""
+    run_dir = tmp_path / "run"
+    # 256 images at global batch 8: 32 steps per epoch, 64 in all; a checkpoint every 4 steps
+    env = {**slurm, "OUT_DIR": str(run_dir),
+           "EXTRA_ARGS": "--loader synthetic --arch resnet18 --image-size 16 --synthetic-images 256 "
+                         "--synthetic-val-images 12 --synthetic-classes 10 --global-batch-size 8 --epochs 2 "
+                         "--eval-every 0 --log-every 1 --workers 0 --checkpoint-every-steps 4"}
+    submitted = subprocess.run(["sbatch", "--parsable", "-N", "1", "-n", "2", "--chdir", str(tmp_path), str(SBATCH)],
+                               env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip().split(";")[0]
+    try:
+        saved = run_dir / "checkpoint.pt"
+        deadline = time.time() + 300
+        while time.time() < deadline and not saved.exists() and job_state(env, job_id).get("JobState") in (
+                "PENDING", "CONFIGURING", "RUNNING", None):
+            time.sleep(0.1)
+        first = torch.load(saved, weights_only=True)
+        assert 0 < first["step"] < 32 and not first["finished"], first["step"]  # mid-epoch, the run going on
+        requeued = subprocess.run(["scontrol", "requeue", job_id], env=env, capture_output=True, text=True, timeout=60)
+        assert requeued.returncode == 0, requeued.stderr
+        released = False
+        while time.time() < deadline:
+            state = job_state(env, job_id)
+            if state.get("Restarts") == "1" and state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
+                                                                             "TIMEOUT", "NODE_FAIL"):
+                break
+            if state.get("JobState") == "PENDING" and state.get("Restarts") == "1" and not released:
+                # Slurm holds a requeued job back for about two minutes; let it start sooner, but not within
+                # the second its old credential was revoked in (slurmd would refuse the new one)
+                time.sleep(3)
+                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=60)
+                released = True
+            time.sleep(0.5)
+    finally:
+        if job_state(env, job_id).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+            subprocess.run(["scancel", job_id], env=env, timeout=60)
+    log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
+    assert state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1", (state, log[-4000:])
+    assert "(restart 1)" in log
+    records = read_metrics(run_dir)
+    resumes = [r for r in records if r["kind"] == "resume"]
+    assert len(resumes) == 1 and first["step"] <= resumes[0]["step"] < 64, (resumes, first["step"])
+    assert f"resuming {run_dir} at step {resumes[0]['step']}" in log
+    steps = [r["step"] for r in records if r["kind"] == "train"]
+    assert set(steps) == set(range(1, 65)) and steps[-1] == 64  # every step trained, to the run's last
+    final = torch.load(saved, weights_only=True)
+    assert final["step"] == 64 and final["finished"]

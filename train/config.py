@@ -91,9 +91,10 @@ class Config:
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
     checkpoint_every_steps: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps, written in the background (0: never)"})
     checkpoint_every_minutes: float = field(default=0.0, metadata={"help": "also checkpoint every M minutes of training (rank 0's clock, agreed by all ranks), written in the background (0: never)"})
+    commit_every: int = field(default=50, metadata={"help": "Horovod Elastic: commit the state to host memory every N steps (and at epoch ends); a lost worker costs the steps since"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)"})
     init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint.pt or a torchvision ResNet state_dict file (weights only)"})
-    restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run in --out-dir
+    restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
     show_recipe: bool = field(default=False, metadata={"help": "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop"})
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
     max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
@@ -213,11 +214,12 @@ def parse(argv: list[str]) -> Config:
         flags["out_dir"] = out_dir
     if flags.get("test_only"):
         flags["resume"] = False
-    elif not flags.get("resume") and out_dir and all((Path(out_dir) / name).is_file()
-                                                     for name in ("checkpoint.pt", "config.yaml")):
+    elif not flags.get("resume") and out_dir and (Path(out_dir) / "config.yaml").is_file():
         # restart is resume: the same command started again (a requeued job, a relaunched worker, a preempted
-        # run) continues its run; start-up checks that the command defines the same run (startup.check_same_run)
-        flags["resume"] = values["restarted"] = True
+        # run) continues its run from its checkpoint, or starts it again when it was lost before its first;
+        # start-up checks that the command defines the same run (startup.check_same_run)
+        values["restarted"] = True
+        flags["resume"] = (Path(out_dir) / "checkpoint.pt").is_file()
     if (flags.get("resume") and not values.get("restarted")) or flags.get("test_only"):
         what = "--test-only" if flags.get("test_only") else "--resume"
         if not out_dir:
@@ -265,6 +267,7 @@ def validate(cfg: Config) -> Config:
     need(cfg.eval_every >= 0 and cfg.eval_offset >= 0, "--eval-every and --eval-offset must not be negative")
     need(cfg.max_steps >= 0, f"--max-steps must not be negative, got {cfg.max_steps}")
     need(cfg.log_every > 0 and cfg.checkpoint_every > 0, "--log-every and --checkpoint-every must be positive")
+    need(cfg.commit_every >= 1, f"--commit-every must be at least 1, got {cfg.commit_every}")
     need(cfg.checkpoint_every_steps >= 0 and cfg.checkpoint_every_minutes >= 0,
          "--checkpoint-every-steps and --checkpoint-every-minutes must not be negative")
     need(cfg.bn_group_size >= 0 and cfg.bn_recompute_batches >= 0 and cfg.torus_rows >= 0 and cfg.augment_off_epoch >= 0,

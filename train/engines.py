@@ -32,6 +32,7 @@ class Engine(Protocol):
     local_rank: int
     local_size: int
     device: torch.device
+    elastic: bool  # the rank count may change while the process runs (Horovod Elastic)
 
     def sync_batchnorm(self, model: torch.nn.Module, span: int, ghost: int = 0) -> torch.nn.Module:
         """BatchNorm statistics over groups of `span` consecutive ranks and, with `ghost` G > 0, over
@@ -78,6 +79,7 @@ def _device(local_rank: int) -> torch.device:
 
 class SingleProcess:
     name = "none"
+    elastic = False
 
     def __init__(self, cfg, launch=None):
         self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
@@ -145,11 +147,9 @@ def check_bn_span(span: int, world_size: int) -> None:
 class _Topology:
     """Node layout: consecutive ranks share a node. ranks_per_node 0 = measured from host names."""
 
-    def _layout(self, cfg, hostnames: list[str]) -> None:
-        if cfg.ranks_per_node:
-            self.local_size = cfg.ranks_per_node
-        else:
-            self.local_size = hostnames.count(hostnames[self.rank])
+    def _layout(self, cfg, on_this_host: int) -> None:
+        """on_this_host: how many ranks share this rank's host."""
+        self.local_size = cfg.ranks_per_node or on_this_host
         if self.world_size % self.local_size:
             raise UsageError(f"{self.world_size} ranks do not split into nodes of {self.local_size}; "
                              "set --ranks-per-node to a divisor of the rank count")
@@ -162,7 +162,7 @@ class _Topology:
         self.nodes = self.world_size // self.local_size
         if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # ranks sharing a host share its cores; oversubscribed threads cost more than they give
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // hostnames.count(hostnames[self.rank])))
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_this_host))
 
     def _bn_groups(self, span: int) -> list[list[int]]:
         check_bn_span(span, self.world_size)
@@ -212,6 +212,7 @@ class _Topology:
 class TorchDistributed(_Topology):
     """torch.distributed: NCCL on GPUs, gloo on CPUs; DDP with gradient bucketing."""
     name = "torch"
+    elastic = False  # (torchrun's elastic restarts start new processes: restart is resume)
 
     def __init__(self, cfg, launch=None):
         import torch.distributed as dist
@@ -237,7 +238,7 @@ class TorchDistributed(_Topology):
         self.control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else None
         hostnames = [None] * self.world_size
         dist.all_gather_object(hostnames, socket.gethostname(), group=self.control)
-        self._layout(cfg, hostnames)
+        self._layout(cfg, hostnames.count(hostnames[self.rank]))
         self._groups = {}
 
     def _group(self, ranks):
@@ -432,7 +433,17 @@ class Horovod(_Topology):
         except ImportError as err:
             raise UsageError(f"--engine horovod needs Horovod with PyTorch support ({err}); run scripts/install_horovod.sh")
         self.hvd, self.cfg = hvd, cfg
-        os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")  # BN groups and node sets are added after init
+        # under horovodrun's elastic mode (--min-np/--max-np/--host-discovery-script): train/elastic.py
+        self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        if self.elastic and (cfg.allreduce != "flat" or cfg.bn_span != 1 or cfg.bn_group_size):
+            raise UsageError("Horovod Elastic changes the rank count during the run: it takes --allreduce flat, "
+                             "--bn-span 1 and no --bn-group-size (use torchrun's elastic restarts for the others)")
+        if self.elastic:
+            # a joining worker starts with an empty response cache while the others' caches survive
+            # hvd.shutdown()/init(): their fused gradient all-reduces then disagree (gloo aborts)
+            os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
+        else:
+            os.environ.setdefault("HOROVOD_DYNAMIC_PROCESS_SETS", "1")  # BN groups and node sets are added after init
         if not torch.cuda.is_available():
             # Horovod's background thread wakes every cycle; on CPU-only hosts its default 1 ms cycle
             # takes cycles from the compute threads (scripts/bench/scaling.py: 0.57 -> 0.8 efficiency)
@@ -442,10 +453,16 @@ class Horovod(_Topology):
             # the two-level optimizer: horovod_hierarchical)
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         hvd.init()
+        self.rejoin()
+
+    def rejoin(self) -> None:
+        """Rank, size and layout from Horovod, after hvd.init() (again, under Horovod Elastic). No
+        collective there: a worker joining an elastic run must not issue one before the state sync."""
+        hvd = self.hvd
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.device = _device(hvd.local_rank())
-        hostnames = hvd.allgather_object(socket.gethostname())
-        self._layout(cfg, hostnames)
+        host = socket.gethostname()
+        self._layout(self.cfg, hvd.local_size() if self.elastic else hvd.allgather_object(host).count(host))
         self._groups = {}
 
     def _group(self, ranks):
@@ -463,21 +480,26 @@ class Horovod(_Topology):
 
     def wrap(self, model, optimizer):
         hvd = self.hvd
-        if self.cfg.init_from_seed:
-            self._check_same_model(model)  # instead of broadcasting rank 0's model
-        else:
-            self._broadcast_tensors(model.state_dict())
-        # as an object: hvd.broadcast_optimizer_state would take a zero-gradient step, and LARS's
-        # weight decay would then move the weights
-        optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
+        if not self.elastic:  # (elastic: no collective before the elastic function, whose state sync broadcasts)
+            if self.cfg.init_from_seed:
+                self._check_same_model(model)  # instead of broadcasting rank 0's model
+            else:
+                self._broadcast_tensors(model.state_dict())
+            # as an object: hvd.broadcast_optimizer_state would take a zero-gradient step, and LARS's
+            # weight decay would then move the weights
+            optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
         native = horovod_hierarchical(hvd.nccl_built(), hvd.mpi_enabled(), self.device.type,
                                       self.world_size // hvd.local_size())
         if self.cfg.allreduce == "torus" or (self.cfg.allreduce == "hierarchical" and not native):
             return model, TwoLevelHorovodOptimizer(optimizer, self, self._two_level_routes(), list(model.parameters()))
         # flat, or hierarchical as Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE (set before hvd.init())
         compression = _contiguous(hvd.Compression.fp16 if self.cfg.fp16_allreduce else hvd.Compression.none)
-        return model, hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
+        distributed = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                compression=compression, op=hvd.Average)
+        # Horovod's optimizer is a new one over the same parameters, with empty state: a resumed run's
+        # momentum (and a broadcast one) would be lost without this
+        distributed.load_state_dict(optimizer.state_dict())
+        return model, distributed
 
     def step(self, loss, optimizer, precision) -> None:
         """All-reduce, synchronise, then unscale and check: every rank sees the same averaged
@@ -490,12 +512,12 @@ class Horovod(_Topology):
     def unwrap(self, model):
         return model
 
-    def _broadcast_tensors(self, tensors: dict) -> None:
-        """Rank 0's values into every rank's tensors; Horovod wants contiguous buffers (not channels_last)."""
+    def _broadcast_tensors(self, tensors: dict, root: int = 0) -> None:
+        """Rank `root`'s values into every rank's tensors; Horovod wants contiguous buffers (not channels_last)."""
         pending = []
         for name, t in tensors.items():
             buffer = t.contiguous()
-            pending.append((t, buffer, self.hvd.broadcast_async_(buffer, root_rank=0, name=f"broadcast.{name}")))
+            pending.append((t, buffer, self.hvd.broadcast_async_(buffer, root_rank=root, name=f"broadcast.{name}")))
         for t, buffer, handle in pending:
             self.hvd.synchronize(handle)
             if buffer is not t:
@@ -779,8 +801,12 @@ ENGINES = {"none": SingleProcess, "torch": TorchDistributed, "horovod": Horovod}
 
 def create(cfg, env=os.environ):
     launch = detect_launch(env)
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0:
+        # the restarted workers would read the last attempt's addresses from torchrun's store and never connect
+        raise UsageError("torchrun --max-restarts needs TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 in torchrun's environment "
+                         "(with this torch its restarted workers cannot connect through the store it shares)")
     engine = ENGINES[choose_engine(cfg.engine, launch, env)](cfg, launch)
-    if launch.distributed and engine.world_size != launch.world_size:
+    if launch.distributed and engine.world_size != launch.world_size and not engine.elastic:
         raise UsageError(f"{launch.launcher} started {launch.world_size} ranks, but --engine {engine.name} sees "
                          f"{engine.world_size}; use the launcher's engine (--engine auto)")
     return engine

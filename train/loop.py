@@ -7,6 +7,7 @@ factory (train/optim.py), the gradient averaging and the optimizer step from the
 the device between logging points; the only host syncs are at log points, epoch ends and evaluations.
 """
 import dataclasses
+import gc
 import hashlib
 import platform
 import signal
@@ -52,12 +53,16 @@ def run(cfg: Config) -> dict:
     out_dir = agreed(engine, lambda: make_out_dir(cfg, engine))
     training = Training(dataclasses.replace(cfg, out_dir=str(out_dir)), engine, loader, precision)
     training.start(init_start_ms, data_dir, note)
+    # the run's long-lived objects (model, optimizer, loader) out of the garbage collector's full passes:
+    # one of those, set off by a checkpoint's allocations, stalled the step it fell in by ~0.16 s
+    gc.freeze()
     try:
         with StopSignal() as stop_signal:
-            while training.state.epoch < cfg.epochs and not training.state.stop:
-                training.train_epoch(stop_signal)
-                training.end_of_epoch()
-        training.check_replicas()
+            if engine.elastic:  # Horovod Elastic: the same epochs under hvd.elastic.run, with commits
+                from train import elastic
+                elastic.run_epochs(training, stop_signal)
+            else:
+                training.run_epochs(stop_signal)
         return training.finish()
     except RunAborted:
         training.log.stop(K.ABORTED)
@@ -103,28 +108,41 @@ class Training:
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
         self.ledger = SampleLedger()
-        if cfg.resume:
-            self._resume(model, optimizer)
-        elif cfg.init_from:  # checked at start-up; every rank loads the same weights
+        self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
+        self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: checkpoint.reserve)
+        if cfg.init_from and not cfg.resume:  # checked at start-up; every rank loads the same weights
             model.load_state_dict(init_weights(cfg))
             self.log.print(f"starting from the weights in {cfg.init_from}")
         self.model, self.optimizer = engine.wrap(model, optimizer)
+        if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
+            self._resume()
         self.lr = self.schedule.lr(max(self.state.step, 1))
         self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
 
-    def _resume(self, model, optimizer) -> None:
-        saved = checkpoint.load(self.out_dir / "checkpoint.pt", self.engine.device)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        self.precision.load_state_dict(saved["precision"])
+    def _resume(self) -> None:
+        self.load_state_dict(checkpoint.load(self.out_dir / "checkpoint.pt", self.engine.device))
         s = self.state
-        s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
-        self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
         self.log.print(f"resuming {self.out_dir} at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of the epoch)")
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
             for leftover in self.out_dir.glob(".checkpoint.pt.*.tmp"):  # a write cut short by a killed process
                 leftover.unlink(missing_ok=True)
+
+    def state_dict(self, samples: list[int], finished: str | None = None) -> dict:
+        """What a checkpoint (and a Horovod Elastic commit) holds; tensors are the live ones."""
+        s = self.state
+        return {"model": self.engine.unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
+                "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
+                "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished, "config": to_dict(self.cfg)}
+
+    def load_state_dict(self, saved: dict, weights: bool = True) -> None:
+        if weights:
+            self.engine.unwrap(self.model).load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.precision.load_state_dict(saved["precision"])
+        s = self.state
+        s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
+        self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
 
     def start(self, init_start_ms: int, data_dir: str, note: str) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
@@ -146,7 +164,13 @@ class Training:
         self.started = self.last_checkpoint = time.time()
         s.stop = s.step >= cfg.max_steps > 0
 
-    # an epoch ------------------------------------------------------------------------------------
+    # the epochs ----------------------------------------------------------------------------------
+    def run_epochs(self, stop_signal: "StopSignal") -> None:
+        while self.state.epoch < self.cfg.epochs and not self.state.stop:
+            self.train_epoch(stop_signal)
+            self.end_of_epoch()
+        self.check_replicas()
+
     def train_epoch(self, stop_signal: "StopSignal") -> None:
         """The epoch's remaining steps; a logging window every --log-every steps; at the ranks'
         agreement points, a stop signal on any rank checkpoints and stops the run."""
@@ -158,8 +182,11 @@ class Training:
         batches = progress(self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch)),
                            self.loader.steps_per_epoch - s.step_in_epoch, engine.rank == 0, f"epoch {s.epoch + 1}")
         for images, labels in batches:
-            self.ledger.add(self.loader.positions(s.step_in_epoch))
+            self.ledger.add(self.loader.last_positions)
             loss = self.train_step(images, labels)
+            if self.host_memory_unreserved and engine.rank == 0:  # after a step: the optimizer has its state
+                checkpoint.reserve(self.state_dict(self.ledger.saved))
+                self.host_memory_unreserved = False
             self.recent.add(images)
             window.add(loss)
             self.epoch_meter.add(loss)
@@ -174,6 +201,8 @@ class Training:
                 self._preempt()
             if s.step_in_epoch < self.loader.steps_per_epoch and self._checkpoint_due(agreement_point):
                 self.save()  # (at an epoch's last step, end_of_epoch decides)
+            if self.commit and s.step % cfg.commit_every == 0 and s.step_in_epoch < self.loader.steps_per_epoch:
+                self.commit()
 
     def _checkpoint_due(self, agreement_point: bool) -> bool:
         """--checkpoint-every-steps counts steps, alike on every rank; --checkpoint-every-minutes reads
@@ -240,6 +269,8 @@ class Training:
             self.evaluate(number)
         if s.stop or last or (finished and s.epoch % cfg.checkpoint_every == 0):
             self.save("target" if s.reached_target else "epochs" if last else None)
+        if self.commit and not (s.stop or last):
+            self.commit()
 
     def evaluate(self, epoch: int) -> None:
         if self.cfg.bn_recompute_batches:  # BN without moving averages: the last K batches' statistics
@@ -275,11 +306,7 @@ class Training:
             try:
                 self._wait_for_write()
                 copied = time.time()
-                state = checkpoint.host_copy({
-                    "model": self.engine.unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                    "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
-                    "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished,
-                    "config": to_dict(self.cfg)})
+                state = checkpoint.host_copy(self.state_dict(samples, finished))
                 self.writer.start(out_dir / "checkpoint.pt", state, s.step, time.time() - copied)
                 if wait or finished or s.stop or s.epoch >= self.cfg.epochs:
                     self._wait_for_write()

@@ -37,6 +37,16 @@ class RunLog:
         self._previous = _previous_segment(out_dir / "metrics.jsonl")
         self._metrics = open(out_dir / "metrics.jsonl", "a", buffering=1)
 
+    def take_over(self) -> None:
+        """Horovod Elastic made this worker rank 0 in the middle of the run: it continues the files and
+        the training clock where they end."""
+        self._offset, self._started = float(self._previous.get("seconds", 0.0)), time.time()
+
+    def workers(self, step: int, ranks: int, per_rank: int) -> None:
+        """Horovod Elastic changed the workers; the run goes on from its commit at `step`."""
+        self.metrics(kind="workers", step=step, ranks=ranks, batch_size=per_rank, seconds=self.seconds())
+        self.print(f"workers changed: {ranks} rank(s) x batch {per_rank}, from the commit at step {step}")
+
     # what happened -------------------------------------------------------------------------------
     def setup(self, init_start_ms: int, header: str, *, platform: str, train_images: int, val_images: int,
               precision: str, schedule) -> None:

@@ -42,7 +42,12 @@ def create_engine(cfg: Config):
 
 def agreed(engine, step):
     """Runs a set-up step on every rank; if it fails on any, every rank raises the first failure
-    (rank 0 prints it), so no rank goes on alone and no rank hangs waiting for one that stopped."""
+    (rank 0 prints it), so no rank goes on alone and no rank hangs waiting for one that stopped.
+    Under Horovod Elastic each rank decides alone: a worker joining a running job must not issue a
+    collective before the state sync (the others would wait in theirs); the checks read the same
+    flags and files on every rank, so they fail alike."""
+    if engine.elastic:
+        return step()
     try:
         value, problem = step(), None
     except (UsageError, DataError, RunFinished) as err:
@@ -187,7 +192,7 @@ def _check_out_dir(cfg: Config) -> None:
         done = _nothing_left(cfg, checkpoint.peek(saved))
         if done:
             raise RunFinished(f"{out_dir} holds a finished run ({done}); nothing to do, its files are unchanged")
-    if not cfg.resume and any((out_dir / name).exists() for name in RUN_FILES):
+    if not cfg.resume and not cfg.restarted and any((out_dir / name).exists() for name in RUN_FILES):
         raise UsageError(f"{out_dir} already holds a run without the checkpoint.pt and config.yaml to continue it "
                          "from; choose another --out-dir or remove it")
 
@@ -206,9 +211,17 @@ def _nothing_left(cfg: Config, saved: dict) -> str:
 def make_out_dir(cfg: Config, engine) -> Path:
     """Rank 0 creates the run directory and writes config.yaml; every rank learns the name. A
     failure leaves nothing behind: the folders made for it are removed again."""
-    out_dir = Path(engine.broadcast_object(_default_out_dir(cfg)))  # one name, whatever each rank's clock says
+    if engine.elastic and not cfg.out_dir:  # (no collective to agree on a time-stamped name; see agreed())
+        raise UsageError("Horovod Elastic needs --out-dir: a worker that joins later must find the run's directory")
+    out_dir = Path(cfg.out_dir or engine.broadcast_object(_default_out_dir(cfg)))  # one name, whatever each rank's clock says
     if engine.rank == 0:
         first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
+        # lost before its first checkpoint: nothing of it to keep (but a worker joining a running Horovod
+        # Elastic job finds the job's own files, which stay)
+        if cfg.restarted and not cfg.resume and not engine.elastic:
+            print(f"{out_dir} holds no checkpoint of its run yet: starting it again from step 0", flush=True)
+            for name in RUN_FILES:
+                (out_dir / name).unlink(missing_ok=True)
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))),

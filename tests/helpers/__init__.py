@@ -55,3 +55,102 @@ def launch_command(launcher: str, nproc: int, *args) -> list[str]:
 def launch(launcher: str, nproc: int, *args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
     return subprocess.run(launch_command(launcher, nproc, *args), cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=child_env(**(env or {})))
+
+
+# processes of real launchers, for the tests that kill ranks (tests/test_elastic_torchrun.py, tests/test_slurm.py)
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (a launcher's rendezvous endpoint)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def children(pid: int) -> list[int]:
+    """The live (not zombie) child processes of `pid`, read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            state, parent = (entry / "stat").read_text().rsplit(")", 1)[1].split()[:2]
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile
+        if int(parent) == pid and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+def process_env(pid: int) -> dict:
+    """A live process's environment ({} once it is gone)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes().decode(errors="replace")
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.split("\0") if "=" in item)
+
+
+def torchrun_workers(agent_pid: int) -> dict[int, int]:
+    """{rank: pid} of the trainer processes a torchrun agent runs now."""
+    workers = {}
+    for pid in children(agent_pid):
+        env = process_env(pid)
+        if "RANK" in env and "TORCHELASTIC_RUN_ID" in env:
+            workers[int(env["RANK"])] = pid
+    return workers
+
+
+def start(command: list, cwd, log: Path, env=None) -> subprocess.Popen:
+    """A launcher started in its own process group (so that it and all it started can be killed at
+    once), its output to `log`."""
+    with open(log, "w") as out:
+        return subprocess.Popen(list(map(str, command)), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+                                env=child_env(**(env or {})), start_new_session=True)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every live process started by `pid`, by its children and so on (whatever their session)."""
+    found, todo = [], [pid]
+    while todo:
+        kids = children(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL a process started by `start`, its process group and every process it started (torchrun
+    starts each worker in a session of its own: killing the agent's group leaves them running); reap it."""
+    import signal
+    everything = descendants(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for pid in everything:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def wait_until(condition, timeout: float, what: str, alive=()):
+    """condition()'s first truthy value, polled every 50 ms; fails after `timeout` seconds, or as soon
+    as a process in `alive` has ended."""
+    import time
+    deadline = time.time() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        for proc in alive:
+            if proc.poll() is not None:
+                raise AssertionError(f"{what}: the process ended first (exit {proc.returncode})")
+        if time.time() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(0.05)

@@ -1,0 +1,110 @@
+"""Horovod Elastic with the real horovodrun: three workers, each on a host alias of this machine (Horovod
+takes a failed worker's whole host out of the job), a discovery script that reads a hosts file. A killed
+worker costs the steps since the last commit; a worker that joins gets the state; too few workers end
+the job instead of hanging."""
+import os
+import signal
+import socket
+import subprocess
+
+import psutil
+import pytest
+
+from helpers import BIN, descendants, kill_tree, process_env, read_metrics, start, wait_until
+from train import checkpoint
+
+# 72 images at global batch 12: 6 steps per epoch, 3 epochs; a commit every 2 steps
+RUN = ["-m", "train", "--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16,
+       "--synthetic-images", 72, "--synthetic-val-images", 12, "--synthetic-classes", 10, "--global-batch-size", 12,
+       "--epochs", 3, "--eval-every", 0, "--log-every", 1, "--commit-every", 2]
+
+
+def host_aliases() -> list[str]:
+    """Names that all mean this machine to Horovod (it runs a worker locally, without ssh, when the name
+    resolves to one of this machine's addresses): localhost, 127.0.0.1, the host name, then the
+    machine's other IPv4 addresses."""
+    names = ["localhost", "127.0.0.1", socket.gethostname()]
+    for addresses in psutil.net_if_addrs().values():
+        names += [a.address for a in addresses if a.family == socket.AF_INET and a.address not in names]
+    return names
+
+
+def elastic_job(tmp_path, hosts: list[str], *extra, min_np=2):
+    """horovodrun under elastic: the hosts file and discovery script, and the job in the background."""
+    (tmp_path / "hosts").write_text("".join(f"{host}:1\n" for host in hosts))
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    script.chmod(0o755)
+    command = [BIN / "horovodrun", "-np", len(hosts), "--min-np", min_np, "--max-np", 3, "--host-discovery-script",
+               script, "--elastic-timeout", 30, BIN / "python", *RUN, *extra]
+    return start(command, tmp_path, tmp_path / "job.log", env={"OMP_NUM_THREADS": "1"})
+
+
+def worker_on(job, host: str) -> int:
+    """The pid of the trainer that horovodrun runs for `host` (0 while there is none)."""
+    for pid in descendants(job.pid):
+        env = process_env(pid)
+        if env.get("HOROVOD_HOSTNAME") == host and "train" in " ".join(psutil.Process(pid).cmdline()):
+            return pid
+    return 0
+
+
+def trained_to(run_dir, step: int):
+    path = run_dir / "metrics.jsonl"
+    return path.exists() and any(r.get("kind") == "train" and r["step"] >= step for r in read_metrics(run_dir))
+
+
+def each_position_once(count: int) -> dict:
+    return {"count": count, "sum": count * (count - 1) // 2, "sum_sq": sum(p * p for p in range(count))}
+
+
+def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_with_two(tmp_path):
+    hosts = host_aliases()[:3]
+    job = elastic_job(tmp_path, hosts)
+    try:
+        wait_until(lambda: trained_to(tmp_path / "run", 9), 240, "step 9", alive=[job])
+        os.kill(wait_until(lambda: worker_on(job, hosts[1]), 10, "the second worker"), signal.SIGKILL)
+        assert job.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        kill_tree(job)
+    records = read_metrics(tmp_path / "run")
+    change = next(r for r in records if r["kind"] == "workers")
+    assert change["ranks"] == 2 and change["batch_size"] == 6 and change["step"] % 2 == 0 and change["step"] >= 8
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [r["step"] for r in epochs][-3:] == [6, 12, 18]
+    for record in epochs[-3:]:  # each image once per epoch, the rolled-back steps not counted twice
+        assert record["samples"] == each_position_once(72), record
+    assert records[-1]["kind"] == "replicas" and records[-1]["ranks"] == 2 and records[-1]["differing_from_rank0"] == 0
+
+
+def test_a_worker_that_joins_later_gets_the_state(tmp_path):
+    aliases = host_aliases()
+    if len(aliases) < 3:
+        pytest.skip("this machine has fewer than three names for itself")
+    job = elastic_job(tmp_path, aliases[:2])
+    try:
+        wait_until(lambda: trained_to(tmp_path / "run", 4), 240, "step 4", alive=[job])
+        (tmp_path / "hosts").write_text("".join(f"{host}:1\n" for host in aliases[:3]))
+        assert job.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        kill_tree(job)
+    records = read_metrics(tmp_path / "run")
+    change = next(r for r in records if r["kind"] == "workers")
+    assert change["ranks"] == 3 and change["batch_size"] == 4
+    for record in [r for r in records if r["kind"] == "epoch"][-3:]:
+        assert record["samples"] == each_position_once(72), record
+    assert records[-1]["kind"] == "replicas" and records[-1]["ranks"] == 3 and records[-1]["differing_from_rank0"] == 0
+
+
+def test_fewer_workers_than_min_np_end_the_job_instead_of_hanging(tmp_path):
+    hosts = host_aliases()[:3]
+    job = elastic_job(tmp_path, hosts, "--checkpoint-every-steps", 2, min_np=3)
+    try:
+        wait_until(lambda: (tmp_path / "run" / "checkpoint.pt").exists(), 240, "a checkpoint", alive=[job])
+        os.kill(wait_until(lambda: worker_on(job, hosts[2]), 10, "the third worker"), signal.SIGKILL)
+        code = job.wait(timeout=180)  # --elastic-timeout 30: Horovod gives up waiting for a third host
+    finally:
+        kill_tree(job)
+    assert code != 0 and "at least 3 Horovod processes" in (tmp_path / "job.log").read_text()
+    saved = checkpoint.peek(tmp_path / "run" / "checkpoint.pt")  # what a new job continues from
+    assert saved["step"] >= 2 and saved["step"] % 2 == 0
