@@ -195,5 +195,6 @@ def test_a_run_lost_before_its_first_checkpoint_starts_again_when_restarted(tmp_
                            timeout=300)
     assert again.returncode == 0, again.stderr
     assert "holds no checkpoint of its run yet: starting it again from step 0" in again.stdout
+    assert (tmp_path / "run" / "metrics.jsonl.lost").exists()  # the lost attempt's log, moved aside
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
     assert steps == list(range(1, 33))  # the lost attempt's records are gone, not doubled

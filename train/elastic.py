@@ -38,7 +38,9 @@ class TrainingState(State):
         self.committed = checkpoint.host_copy(self.training.state_dict(self.training.ledger.total(self.training.engine)))
 
     def restore(self) -> None:
-        self.training.load_state_dict(self.committed)
+        # from a copy: on the CPU the optimizer keeps the tensors it loads, and training on would
+        # change the commit that a second failure must go back to
+        self.training.load_state_dict(checkpoint._replace(self.committed, lambda t: t.clone()))
 
     def sync(self) -> None:
         """Every worker takes the state of the one furthest on (a joining worker has at most the last

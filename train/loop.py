@@ -142,6 +142,7 @@ class Training:
         self.precision.load_state_dict(saved["precision"])
         s = self.state
         s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
+        s.stop, s.reached_target = s.step >= self.cfg.max_steps > 0, False  # (a rollback may go back before either)
         self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
 
     def start(self, init_start_ms: int, data_dir: str, note: str) -> None:

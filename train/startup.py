@@ -4,6 +4,7 @@ A failure on any rank is raised on every rank (`agreed`), so no rank goes on alo
 for one that stopped; such an error is marked `agreed` and printed once, by rank 0.
 """
 import dataclasses
+import os
 import shutil
 import time
 from pathlib import Path
@@ -218,11 +219,13 @@ def make_out_dir(cfg: Config, engine) -> Path:
         first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
         # lost before its first checkpoint: nothing of it to keep (but a worker joining a running Horovod
         # Elastic job finds the job's own files, which stay)
-        if cfg.restarted and not cfg.resume and not engine.elastic:
-            print(f"{out_dir} holds no checkpoint of its run yet: starting it again from step 0", flush=True)
-            for name in RUN_FILES:
-                (out_dir / name).unlink(missing_ok=True)
         try:
+            if cfg.restarted and not cfg.resume and not engine.elastic:
+                print(f"{out_dir} holds no checkpoint of its run yet: starting it again from step 0 (its logs "
+                      "kept as *.lost)", flush=True)
+                for name in RUN_FILES:  # moved aside, never deleted
+                    if (out_dir / name).exists():
+                        os.replace(out_dir / name, out_dir / f"{name}.lost")
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))),
                                                               sort_keys=False))
