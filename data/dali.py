@@ -190,11 +190,11 @@ class DaliLoader(FileLoader):
         record.start(passes.count, self._rank_order(epoch), start_step)
         counted = set()  # this epoch's unreadable files, each counted once
         count = len(self.train_source)
-        for step, (images, meta) in enumerate(passes.outputs(token), start_step):
+        for images, meta in passes.outputs(token):
             images, labels, meta = self._batch(images, meta)
-            for _, index, skipped in meta[meta[:, 2] > 0].tolist():
+            for index, skipped in meta[meta[:, 2] > 0][:, 1:3].tolist():
                 self._note_skipped([self.train_source.name((index + k) % count) for k in range(skipped)], counted)
-            self.last_positions = self.sampler.positions(step)  # the readers' rows from start_step on
+            self.last_positions = self.sampler.positions(int(meta[0, 3]))  # the step the readers served
             yield images, labels
 
     def _eval_feed(self):
@@ -219,6 +219,12 @@ class DaliLoader(FileLoader):
         self.val_pull.feed = self._eval_feed()
         for images, meta in self.val_passes.outputs(token):
             yield self._batch(images, meta)[:2]
+
+
+    def close(self) -> None:
+        """The pipelines go, and with them their reader processes."""
+        self.passes.clear()
+        self.val_passes = None
 
 
 def _dali_to_torch(tensor, device, dtype):

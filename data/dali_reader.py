@@ -109,7 +109,8 @@ class TrainReader:
     encoded bytes of this rank's batch at the pass's step (the order in the PassRecord), an
     unreadable file's place taken by the next readable one (first_readable, as the torch loader),
     and meta, one row per sample: (label, the file asked for, how many files from it on were
-    skipped), from which the main process names and counts the skipped files. Picklable: it holds
+    skipped, the step served), from which the main process names and counts the skipped files and
+    learns which positions of the epoch's order the batch holds. Picklable: it holds
     the source and the record, no reference to the loader."""
 
     def __init__(self, source, record: PassRecord):
@@ -120,9 +121,9 @@ class TrainReader:
         step = start_step + info.iteration
         if info.epoch_idx != pass_index or step >= end_step:  # the pass's end, or a task from an earlier pass
             raise StopIteration
-        payloads, meta = [], np.empty((self.record.batch, 3), dtype=np.int64)
+        payloads, meta = [], np.empty((self.record.batch, 4), dtype=np.int64)
         for slot, index in enumerate(self.record.order[step].tolist()):
             (payload, label), skipped = first_readable(self.source, index, lambda p: encoded(self.source, p))
             payloads.append(payload)
-            meta[slot] = label, index, len(skipped)
+            meta[slot] = label, index, len(skipped), step
         return payloads, meta

@@ -85,6 +85,10 @@ class Loader:
         train_batches on. Every image still appears once per epoch."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Let go of the reader threads or processes (a loader replaced during a run: Horovod Elastic's
+        new rank count). The loader is not used again."""
+
 
 class FileLoader(Loader):
     """A loader of real files (the torch and DALI loaders): both splits' samples, the training

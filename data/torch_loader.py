@@ -123,6 +123,9 @@ class TorchLoader(FileLoader):
         self.scale, self.shift = (v.view(1, 3, 1, 1).expand(1, 3, size, size).contiguous(memory_format=torch.channels_last)
                                   .to(device) for v in (scale, shift))
 
+    def close(self) -> None:
+        self.pool.shutdown(wait=True, cancel_futures=True)
+
     # a batch: empty memory, filled slot by slot by the threads, then handed to the loop ------------
     def _empty_batch(self, n: int) -> torch.Tensor:
         """NCHW: on a GPU a view of pinned NHWC uint8, on a CPU the normalised float batch itself."""

@@ -1,8 +1,10 @@
 """The DALI loader's training feed, read in DALI's reader processes: the same files and labels per rank,
 epoch and first step as the torch loader (the shared sampler), unreadable files skipped and counted
 once per epoch, and one pipeline for the whole run."""
+import gc
 import os
 import shutil
+import time
 from pathlib import Path
 
 import numpy as np
@@ -60,15 +62,21 @@ def pair(root, rank=0, world=1, batch_size=2):
 
 
 def batches(loader, epoch, start_step=0, augment=True):
-    out = list(loader.train_batches(epoch, start_step, augment))
-    return torch.cat([x for x, _ in out]), torch.cat([y for _, y in out]), [len(y) for _, y in out]
+    """(images, labels, batch sizes, each batch's positions in the epoch's order as the loader says them)."""
+    out, positions = [], []
+    for images, labels in loader.train_batches(epoch, start_step, augment):
+        out.append((images, labels))
+        positions.append(list(loader.last_positions))
+    return torch.cat([x for x, _ in out]), torch.cat([y for _, y in out]), [len(y) for _, y in out], positions
 
 
 def assert_same_files(dali, torch_loader, epoch, start_step=0):
     """Labels equal, and pixels (the evaluation transform) within DALI-vs-torchvision resampling."""
-    images, labels, sizes = batches(dali, epoch, start_step, augment=False)
-    reference, reference_labels, reference_sizes = batches(torch_loader, epoch, start_step, augment=False)
+    images, labels, sizes, positions = batches(dali, epoch, start_step, augment=False)
+    reference, reference_labels, reference_sizes, reference_positions = batches(torch_loader, epoch, start_step,
+                                                                                augment=False)
     assert labels.tolist() == reference_labels.tolist() and sizes == reference_sizes
+    assert positions == reference_positions  # what the run's sample ledger counts
     levels = (images - reference).abs() * STD_255  # back to 0-255 pixel levels
     assert levels.flatten(1).mean(1).max() < 5 and levels.max() < 20, float(levels.flatten(1).mean(1).max())
     return labels
@@ -109,7 +117,7 @@ def test_unreadable_files_are_skipped_and_counted_once_per_epoch(bad_tree):
     dali, torch_loader = pair(bad_tree, batch_size=3)
     for epoch in (0, 1):
         for loader in (dali, torch_loader):  # the same replacements, so the same labels
-            _, labels, sizes = batches(loader, epoch)
+            _, labels, sizes, _ = batches(loader, epoch)
             assert sizes == [3] * 9
             skipped, names = loader.take_skipped()
             assert skipped == 3 and {Path(n).name for n in names} == BAD, (loader, epoch)
@@ -123,7 +131,7 @@ def test_batch_size_control_rebuilds_for_the_new_batch(tree):
     batches(dali, 0)
     for loader in (dali, torch_loader):
         loader.set_batch_size(3)
-    _, labels, sizes = batches(dali, 1)
+    _, labels, sizes, _ = batches(dali, 1)
     assert sizes == [3] * 8 and labels.tolist() == batches(torch_loader, 1)[1].tolist()
     assert dali.builds == 2
 
@@ -161,3 +169,9 @@ def test_the_reader_processes_do_not_load_torch(tree):
     assert len(readers) == 1  # --workers 1 (pair)
     maps = Path(f"/proc/{readers[0]}/maps").read_text()
     assert "libdali" in maps and "libtorch" not in maps
+    dali.close()  # (Horovod Elastic replaces the loader when the workers change)
+    gc.collect()
+    deadline = time.time() + 30
+    while readers[0] in _children(os.getpid()) and time.time() < deadline:
+        time.sleep(0.1)
+    assert readers[0] not in _children(os.getpid())

@@ -40,11 +40,11 @@ def elastic_job(tmp_path, hosts: list[str], *extra, min_np=2):
     return start(command, tmp_path, tmp_path / "job.log", env={"OMP_NUM_THREADS": "1"})
 
 
-def worker_on(job, host: str) -> int:
-    """The pid of the trainer that horovodrun runs for `host` (0 while there is none)."""
+def worker(job, variable: str, value: str) -> int:
+    """The pid of the trainer that horovodrun started with `variable` = `value` in its environment
+    (HOROVOD_HOSTNAME: its host; HOROVOD_RANK: the rank it started as), 0 while there is none."""
     for pid in descendants(job.pid):
-        env = process_env(pid)
-        if env.get("HOROVOD_HOSTNAME") == host and "train" in " ".join(psutil.Process(pid).cmdline()):
+        if process_env(pid).get(variable) == value and "train" in " ".join(psutil.Process(pid).cmdline()):
             return pid
     return 0
 
@@ -58,12 +58,14 @@ def each_position_once(count: int) -> dict:
     return {"count": count, "sum": count * (count - 1) // 2, "sum_sq": sum(p * p for p in range(count))}
 
 
-def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_with_two(tmp_path):
-    hosts = host_aliases()[:3]
-    job = elastic_job(tmp_path, hosts)
+@pytest.mark.parametrize("killed", [1, 0])
+def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_with_two(killed, tmp_path):
+    """Rank 1, or rank 0: then another worker becomes rank 0 and goes on with the logs and the
+    checkpoints."""
+    job = elastic_job(tmp_path, host_aliases()[:3], "--checkpoint-every-steps", 4)
     try:
         wait_until(lambda: trained_to(tmp_path / "run", 9), 240, "step 9", alive=[job])
-        os.kill(wait_until(lambda: worker_on(job, hosts[1]), 10, "the second worker"), signal.SIGKILL)
+        os.kill(wait_until(lambda: worker(job, "HOROVOD_RANK", str(killed)), 10, f"rank {killed}"), signal.SIGKILL)
         assert job.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         kill_tree(job)
@@ -75,6 +77,8 @@ def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_w
     for record in epochs[-3:]:  # each image once per epoch, the rolled-back steps not counted twice
         assert record["samples"] == each_position_once(72), record
     assert records[-1]["kind"] == "replicas" and records[-1]["ranks"] == 2 and records[-1]["differing_from_rank0"] == 0
+    saved = checkpoint.peek(tmp_path / "run" / "checkpoint.pt")  # the last checkpoint is the end's, by whoever is rank 0
+    assert saved["step"] == 18 and saved["finished"] == "epochs"
 
 
 def test_a_worker_that_joins_later_gets_the_state(tmp_path):
@@ -101,10 +105,27 @@ def test_fewer_workers_than_min_np_end_the_job_instead_of_hanging(tmp_path):
     job = elastic_job(tmp_path, hosts, "--checkpoint-every-steps", 2, min_np=3)
     try:
         wait_until(lambda: (tmp_path / "run" / "checkpoint.pt").exists(), 240, "a checkpoint", alive=[job])
-        os.kill(wait_until(lambda: worker_on(job, hosts[2]), 10, "the third worker"), signal.SIGKILL)
+        os.kill(wait_until(lambda: worker(job, "HOROVOD_HOSTNAME", hosts[2]), 10, "the third worker"), signal.SIGKILL)
         code = job.wait(timeout=180)  # --elastic-timeout 30: Horovod gives up waiting for a third host
     finally:
         kill_tree(job)
     assert code != 0 and "at least 3 Horovod processes" in (tmp_path / "job.log").read_text()
     saved = checkpoint.peek(tmp_path / "run" / "checkpoint.pt")  # what a new job continues from
     assert saved["step"] >= 2 and saved["step"] % 2 == 0
+
+
+def test_every_worker_checks_the_run_directory_and_a_refusal_ends_the_job(tmp_path):
+    """No collective agrees on start-up checks under Horovod Elastic (a joining worker must not issue
+    one), so each worker reads the run directory itself: a folder holding another run's settings is
+    refused by all three, and the job ends there. Were rank 0 alone to refuse, the other two would go
+    on as a new job without it, into that folder."""
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.yaml").write_text("arch: resnet34\nglobal_batch_size: 12\n")
+    job = elastic_job(tmp_path, host_aliases()[:3])
+    try:
+        code = job.wait(timeout=180)
+    finally:
+        kill_tree(job)
+    log = (tmp_path / "job.log").read_text()
+    assert code != 0 and log.count("holds a run with other settings (arch 'resnet34' there, 'resnet18' here)") == 3, log[-3000:]
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml"]

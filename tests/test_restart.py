@@ -133,6 +133,22 @@ def test_a_folder_holding_a_runs_logs_but_no_checkpoint_is_refused_not_restarted
         assert {p.name: p.read_bytes() for p in (tmp_path / "run").iterdir()} == before
 
 
+def test_the_run_directory_is_judged_as_it_is_at_the_check_not_when_the_flags_were_read(tmp_path):
+    """Under Horovod Elastic every worker checks the folder itself: a worker that read its flags before
+    rank 0 made the run (config.yaml first, then the logs) must not take rank 0's new files for another
+    run's; the same files without config.yaml are another run's."""
+    from train.config import Config, UsageError
+    from train.startup import _check_out_dir
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    cfg = Config(out_dir=str(run))  # restarted False: no config.yaml when the flags were read
+    with pytest.raises(UsageError, match="already holds a run without"):
+        _check_out_dir(cfg)
+    (run / "config.yaml").write_text("seed: 0\n")
+    _check_out_dir(cfg)
+
+
 @pytest.mark.parametrize("variable, value, folder", [("SLURM_JOB_ID", "4242", "smoke-slurm-4242"),
                                                      ("TORCHELASTIC_RUN_ID", "job7", "smoke-torchrun-job7")])
 def test_without_out_dir_the_run_directory_comes_from_the_job_and_a_restart_finds_it(tmp_path, variable, value,

@@ -152,13 +152,18 @@ def test_the_writer_process_writes_host_copies_one_at_a_time_with_the_values_at_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
 
 
-def test_a_failed_write_in_the_writer_process_is_raised_and_keeps_the_previous_file(tmp_path):
-    """A file-size limit on the writer process (as a full disk would): OSError with its errno."""
+def written_once(tmp_path):
+    """A writer process that has written checkpoint.pt once: (its path, the writer, the file's bytes)."""
     path = tmp_path / "checkpoint.pt"
     writer = checkpoint.Writer()
     writer.start(path, checkpoint.host_copy({"step": 1, "model": {"w": torch.ones(3)}}), 1, copy_s=0.0)
     writer.wait()
-    before = path.read_bytes()
+    return path, writer, path.read_bytes()
+
+
+def test_a_failed_write_in_the_writer_process_is_raised_and_keeps_the_previous_file(tmp_path):
+    """A file-size limit on the writer process (as a full disk would): OSError with its errno."""
+    path, writer, before = written_once(tmp_path)
     resource.prlimit(writer._process.proc.pid, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
     writer.start(path, checkpoint.host_copy({"step": 2, "model": {"w": torch.ones(1_000_000)}}), 2, copy_s=0.0)
     with pytest.raises(OSError) as raised:
@@ -168,11 +173,7 @@ def test_a_failed_write_in_the_writer_process_is_raised_and_keeps_the_previous_f
 
 
 def test_a_writer_process_that_dies_is_a_failed_write_not_a_hang(tmp_path):
-    path = tmp_path / "checkpoint.pt"
-    writer = checkpoint.Writer()
-    writer.start(path, checkpoint.host_copy({"step": 1, "model": {"w": torch.ones(3)}}), 1, copy_s=0.0)
-    writer.wait()
-    before = path.read_bytes()
+    path, writer, before = written_once(tmp_path)
     # killed in the middle of a write: its temporary file exists
     writer.start(path, checkpoint.host_copy({"step": 2, "model": {"w": torch.randn(25_000_000)}}), 2, copy_s=0.0)
     pid = writer._process.proc.pid

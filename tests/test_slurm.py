@@ -28,6 +28,28 @@ def job_state(env, job_id: str) -> dict:
     return dict(field.split("=", 1) for field in shown.split() if "=" in field)
 
 
+ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL")
+
+
+def wait_for_requeued_end(env, job_id: str, deadline: float, second_attempt_began=lambda: True) -> dict:
+    """The job's state once its second attempt (Restarts=1) has ended, or at the deadline. The first
+    attempt ends killed by its own requeue (briefly FAILED): `second_attempt_began` tells that apart
+    where Restarts alone does not yet."""
+    released = False
+    while time.time() < deadline:
+        state = job_state(env, job_id)
+        if state.get("Restarts") == "1" and state.get("JobState") in ENDED and second_attempt_began():
+            break
+        if state.get("JobState") == "PENDING" and state.get("Restarts") == "1" and not released:
+            # Slurm holds a requeued job back for about two minutes; let it start sooner, but not within
+            # the second its old credential was revoked in (slurmd would refuse the new one)
+            time.sleep(3)
+            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=60)
+            released = True
+        time.sleep(0.5)
+    return state
+
+
 def test_sbatch_two_tasks_on_the_embedded_dataset(slurm, tmp_path):
     env = {**slurm, "OUT_DIR": str(tmp_path / "run"), "EXTRA_ARGS": "--arch resnet18 --max-steps 3 --workers 0"}
     job = subprocess.run(["sbatch", "-N", "1", "-n", "2", "--wait", "--chdir", str(tmp_path), str(SBATCH)],
@@ -56,20 +78,8 @@ def test_time_limit_warning_checkpoints_requeues_and_resumes(slurm, tmp_path):
         time.sleep(0.5)
     # what Slurm does before the time limit (--signal=B:USR1@120): USR1 to the batch shell
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=env, check=True, timeout=60)
-    released = False
-    while time.time() < deadline:
-        state = job_state(env, job_id)
-        second_attempt = "(restart 1)" in "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
-        # the first attempt ends killed by its own requeue (briefly FAILED); wait for the second one's end
-        if second_attempt and state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
-            break
-        if state.get("JobState") == "PENDING" and state.get("Restarts") == "1" and not released:
-            # Slurm holds a requeued job back for about two minutes; let it start sooner, but not within
-            # the second its old credential was revoked in (slurmd would refuse the new one)
-            time.sleep(3)
-            subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=60)
-            released = True
-        time.sleep(0.5)
+    state = wait_for_requeued_end(env, job_id, deadline, lambda: "(restart 1)" in "".join(
+        p.read_text() for p in tmp_path.glob("slurm-*.out")))
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1", (state, log)
     assert "requeueing" in log and "resuming" in log and "(restart 1)" in log
@@ -101,21 +111,9 @@ def test_a_requeued_job_continues_from_its_step_checkpoint_and_finishes(slurm, t
         assert 0 < first["step"] < 32 and not first["finished"], first["step"]  # mid-epoch, the run going on
         requeued = subprocess.run(["scontrol", "requeue", job_id], env=env, capture_output=True, text=True, timeout=60)
         assert requeued.returncode == 0, requeued.stderr
-        released = False
-        while time.time() < deadline:
-            state = job_state(env, job_id)
-            if state.get("Restarts") == "1" and state.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED",
-                                                                             "TIMEOUT", "NODE_FAIL"):
-                break
-            if state.get("JobState") == "PENDING" and state.get("Restarts") == "1" and not released:
-                # Slurm holds a requeued job back for about two minutes; let it start sooner, but not within
-                # the second its old credential was revoked in (slurmd would refuse the new one)
-                time.sleep(3)
-                subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=env, timeout=60)
-                released = True
-            time.sleep(0.5)
+        state = wait_for_requeued_end(env, job_id, deadline)
     finally:
-        if job_state(env, job_id).get("JobState") not in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT"):
+        if job_state(env, job_id).get("JobState") not in ENDED:
             subprocess.run(["scancel", job_id], env=env, timeout=60)
     log = "".join(p.read_text() for p in tmp_path.glob("slurm-*.out"))
     assert state.get("JobState") == "COMPLETED" and state.get("Restarts") == "1", (state, log[-4000:])

@@ -147,3 +147,16 @@ def test_without_nvimgcodec_pil_decodes_the_same_regions(monkeypatch):
     assert torch.equal(image.region(17, 33, 100, 151), reference[17:117, 33:184])
     out = TrainCrop(32, (0.08, 1.0), (3 / 4, 4 / 3))(image, seed=5)
     assert out.shape == (3, 32, 32) and out.dtype == torch.uint8
+
+
+def test_a_closed_loader_lets_its_reader_threads_go(tmp_path):
+    # Horovod Elastic replaces the loader when the workers change: the old one's threads must not stay
+    root = ensure_embedded(train_per_class=4, val_per_class=2, root=tmp_path)
+    before = set(threading.enumerate())  # (earlier tests' loaders keep theirs)
+    loader = TorchLoader(Config(data_dir=str(root), image_size=24, batch_size=4, workers=2), check_tree(str(root)), 0, 1,
+                         torch.device("cpu"))
+    next(iter(loader.train_batches(epoch=0)))
+    readers = [t for t in set(threading.enumerate()) - before if t.name.startswith("loader")]
+    assert readers
+    loader.close()
+    assert not any(t.is_alive() for t in readers)

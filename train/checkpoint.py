@@ -8,10 +8,10 @@ planted in a shared run directory cannot run code as the user (docs/checkpoints.
 Background writes cost the training steps they overlap as little as we can make them: `host_copy`
 copies the state into host memory that stays mapped and is reused from one checkpoint to the next (no
 fresh allocation, so no page faults on the training thread), and that memory is a memfd that a
-long-lived writer process maps too. `Writer` hands each write to that process, which runs torch.save,
-the fsync and the rename at the lowest CPU priority: it shares neither the trainer's interpreter lock
-(torch.save holds it while it pickles and while its zip writer checksums and writes) nor, when the
-cores are busy, their time. Where there is no memfd (not Linux) or no process can be started, the
+long-lived writer process maps too. The file is laid out on the training thread (torch.save's pickle
+and zip headers, with the tensors' data left where it lies) and `Writer` hands it to that process,
+which writes, syncs and renames it at a low CPU priority: it shares neither the trainer's interpreter
+lock nor, when the cores are busy, much of their time. Where there is no memfd (not Linux) or no process can be started, the
 state is copied into fresh memory and written by a thread of the trainer, as before.
 """
 import errno
@@ -19,9 +19,7 @@ import mmap
 import os
 import pickle
 import re
-import signal
 import socket
-import struct
 import subprocess
 import sys
 import threading
@@ -32,6 +30,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from train import checkpoint_writer
 from train.config import UsageError
 
 try:
@@ -63,8 +62,8 @@ def save(path: Path, state: dict) -> None:
 
 def _temporary(path: Path, pid: int) -> Path:
     """The temporary file a process writes `path` into (a killed writer's is removed by the next start
-    of the run: `.checkpoint.pt.*.tmp`)."""
-    return path.with_name(f".{path.name}.{pid}.tmp")
+    of the run: `.checkpoint.pt.*.tmp`), named as the writer process names its own."""
+    return Path(checkpoint_writer.temporary(str(path), pid))
 
 
 # host copies ------------------------------------------------------------------------------------
@@ -76,9 +75,7 @@ def host_copy(value):
     The copies live in a shared host-memory arena that is reused once no tensor of an earlier copy is
     alive (a checkpoint's copy is alive until its write is done; a copy someone keeps, such as an
     elastic commit, keeps its arena). Without memfd (not Linux), they are fresh CPU tensors."""
-    tensors = {}
-    _collect(value, tensors)
-    tensors = [t for t in tensors.values() if t.numel()]
+    tensors = _tensors_with_data(value)
     places, size = [], 0
     for tensor in tensors:
         places.append(size)
@@ -105,6 +102,13 @@ def reserve(state) -> None:
     arena stays for the next), so that the first checkpoint's copy costs the training step what the
     later ones do rather than ~0.07 s of page faults (ResNet-50)."""
     host_copy(state)
+
+
+def _tensors_with_data(value) -> list[torch.Tensor]:
+    """The tensors of a state, each once, leaving out the empty ones (nothing to copy or write)."""
+    found = {}
+    _collect(value, found)
+    return [t for t in found.values() if t.numel()]
 
 
 def _collect(value, found: dict) -> None:
@@ -220,9 +224,7 @@ class _HostMemory:
     def holding(self, state) -> "tuple[bool, _Arena | None]":
         """(True, the arena) when every non-empty tensor of `state` lies in one arena, (True, None) when
         it has no tensor data, (False, None) otherwise."""
-        tensors = {}
-        _collect(state, tensors)
-        tensors = [t for t in tensors.values() if t.numel()]
+        tensors = _tensors_with_data(state)
         if not tensors:
             return True, None
         with self.lock:
@@ -292,7 +294,7 @@ class Writer:
 
     The state handed to `start` belongs to the writer until the write is done. A state made by
     `host_copy` is laid out as torch.save would write it (on the caller's thread: the pickle and the
-    zip's headers and checksums, without copying the tensors' data) and written by the writer process
+    zip's headers, without copying the tensors' data) and written by the writer process
     (started at the first such write, and again after one ended); any other state by a thread of this
     process, as torch.save."""
 
@@ -310,7 +312,10 @@ class Writer:
         shared, arena = _HOST_MEMORY.holding(state)
         process = self._writer_process() if shared else None
         if process is not None:
-            pieces = _Layout.of(state, arena)
+            try:
+                pieces = _Layout.of(state, arena)
+            except RuntimeError as err:  # torch.save's own failures, as save() reports them
+                raise OSError(errno.EIO, f"the checkpoint could not be laid out ({err})") from err
             self._in_flight = (Path(path), state, step, copy_s, started)
             try:
                 process.send(os.path.abspath(path), pieces, arena)
@@ -321,8 +326,7 @@ class Writer:
         def write():
             try:
                 save(path, state)
-                self.last = {"step": step, "copy_s": round(copy_s, 4), "write_s": round(time.time() - started, 4),
-                             "started": round(started, 4)}
+                self.last = _written(step, copy_s, started, time.time())
             except OSError as err:
                 self._error, self.failed_step = err, step
         self._thread = threading.Thread(target=write, name="checkpoint-writer", daemon=True)
@@ -341,8 +345,7 @@ class Writer:
                 self._error, self.failed_step = self._process.ended(path), step
                 self._process = None
             elif reply[0] == "done":
-                self.last = {"step": step, "copy_s": round(copy_s, 4), "write_s": round(reply[1] - started, 4),
-                             "started": round(started, 4)}
+                self.last = _written(step, copy_s, started, reply[1])
             else:
                 self._error, self.failed_step = OSError(reply[1], reply[2]), step
 
@@ -364,6 +367,11 @@ class Writer:
         except OSError:
             self._process = None
         return self._process
+
+
+def _written(step: int, copy_s: float, started: float, ended: float) -> dict:
+    """A finished write as the log's checkpoint record takes it."""
+    return {"step": step, "copy_s": round(copy_s, 4), "write_s": round(ended - started, 4), "started": round(started, 4)}
 
 
 class _WriterProcess:
@@ -429,7 +437,7 @@ class _WriterProcess:
             proc.wait()
 
 
-_HEADER = struct.Struct("!Q")  # a message's length, before it
+_HEADER = checkpoint_writer.HEADER  # a message's length, before it
 _WRITER = Path(__file__).with_name("checkpoint_writer.py")  # the writer process's program
 _WRITE_NICE = 10  # the writer process's: a write overlaps a few steps and takes a small share of a core from each
 

@@ -36,9 +36,16 @@ def receive(sock):
     return pickle.loads(data[HEADER.size:]), fds
 
 
-def write(path, pieces, arena):
+def temporary(path: str, pid: int) -> str:
+    """The temporary file that process `pid` writes `path` into, beside it (the trainer's thread writer
+    names its own so too, and the next start of a run removes what a killed writer left)."""
     folder, name = os.path.split(path)
-    tmp = os.path.join(folder, "." + name + "." + str(os.getpid()) + ".tmp")
+    return os.path.join(folder, f".{name}.{pid}.tmp")
+
+
+def write(path, pieces, arena):
+    folder = os.path.dirname(path)
+    tmp = temporary(path, os.getpid())
     try:
         with open(tmp, "wb") as f:
             unsynced = 0

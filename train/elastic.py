@@ -12,6 +12,7 @@ the run's position (step, epoch, step in the epoch, the sample ledger). The samp
 its own: it picks by global position in the epoch's order, so the position is the sampler's position
 whatever the rank count.
 """
+import contextlib
 import dataclasses
 
 from horovod.common.elastic import State
@@ -20,7 +21,7 @@ from data import LoaderSettings, build_loader
 from train import checkpoint
 from train.config import UsageError
 from train.runlog import RunLog
-from train.startup import agreed_error, resolve_data_dir
+from train.startup import agreed_error, check_batch_phases, resolve_data_dir
 
 
 class TrainingState(State):
@@ -51,7 +52,10 @@ class TrainingState(State):
         engine._broadcast_tensors(engine.unwrap(training.model).state_dict(), root=root)
         rest = training.state_dict(training.ledger.saved)
         rest.pop("model")
-        training.load_state_dict(engine.hvd.broadcast_object(rest, root_rank=root), weights=False)
+        # in host memory: a pickled GPU tensor would be unpickled onto the root's device on every worker
+        rest = checkpoint._replace(rest, lambda t: t.detach().cpu()) if engine.rank == root else None
+        # (named: Horovod names it by the object's type otherwise, which differs between root and the rest)
+        training.load_state_dict(engine.hvd.broadcast_object(rest, root_rank=root, name="elastic.state"), weights=False)
         self.committed = checkpoint.host_copy(training.state_dict(training.ledger.saved))
 
     def reset(self) -> None:
@@ -65,19 +69,26 @@ def rejoin(training) -> None:
     engine, cfg = training.engine, training.cfg
     old_rank = engine.rank
     engine.rejoin()
-    global_batch = training.schedule.global_batch(training.state.epoch)
-    if global_batch % engine.world_size or cfg.global_batch_size % engine.world_size:
-        raise agreed_error(UsageError(
-            f"the run's global batch {global_batch} does not divide over the {engine.world_size} workers left; "
-            "choose a global batch that every rank count from --min-np to --max-np divides"))
+    if old_rank == 0 and engine.rank != 0:
+        # its write in flight lands now, never after a newer one of the new rank 0 (the state sync, a
+        # collective, waits for this); how it went is the new rank 0's to say no more
+        with contextlib.suppress(OSError):
+            training.writer.wait()
+    try:  # every phase of --batch-schedule, not only this one: the count may not change again
+        check_batch_phases(cfg, engine.world_size, training.loader.train_images)
+    except UsageError as err:  # (every worker decides alike)
+        raise agreed_error(UsageError(f"with {engine.world_size} workers now: {err}, or global batches that every "
+                                      "count from --min-np to --max-np divides"))
     training.cfg = cfg = dataclasses.replace(cfg, batch_size=cfg.global_batch_size // engine.world_size)
     settings = LoaderSettings.of(cfg, data_dir=resolve_data_dir(cfg), precision=training.precision.name)
+    training.loader.close()  # its reader threads or processes, before the new loader starts its own
     training.loader = build_loader(cfg.loader, settings, engine.rank, engine.world_size, engine.device)
     training.loader_batch = cfg.batch_size
     if engine.rank != old_rank and (engine.rank == 0 or old_rank == 0):
         training.log.close()
         training.log = RunLog(training.out_dir if engine.rank == 0 else None, cfg, training.eval_plan)
         training.log.take_over()
+    global_batch = training.schedule.global_batch(training.state.epoch)
     training.log.workers(training.state.step, engine.world_size, global_batch // engine.world_size)
 
 

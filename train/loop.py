@@ -125,7 +125,9 @@ class Training:
         self.log.print(f"resuming {self.out_dir} at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of the epoch)")
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-            for leftover in self.out_dir.glob(".checkpoint.pt.*.tmp"):  # a write cut short by a killed process
+            # a write cut short by a killed process (not under Horovod Elastic: a joining worker would take
+            # the running rank 0's write in flight for one)
+            for leftover in [] if self.engine.elastic else self.out_dir.glob(".checkpoint.pt.*.tmp"):
                 leftover.unlink(missing_ok=True)
 
     def state_dict(self, samples: list[int], finished: str | None = None) -> dict:

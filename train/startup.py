@@ -3,6 +3,7 @@
 A failure on any rank is raised on every rank (`agreed`), so no rank goes on alone and none waits
 for one that stopped; such an error is marked `agreed` and printed once, by rank 0.
 """
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -78,10 +79,12 @@ def checked_setup(cfg: Config, engine):
         raise UsageError(f"{data_dir or 'the synthetic data'} has {loader.num_classes} classes, the run "
                          f"{cfg.num_classes}; check --data-dir (or --num-classes)")
     cfg = dataclasses.replace(cfg, num_classes=loader.num_classes)  # recorded in config.yaml
-    _check_batch_phases(cfg, engine.world_size, loader.train_images)
+    check_batch_phases(cfg, engine.world_size, loader.train_images)
     if cfg.init_from and not cfg.resume:
         init_weights(cfg)  # read and checked here; loaded into the model by the loop
-    if engine.rank == 0:
+    # read-only checks of the run directory: rank 0's verdict reaches the others through agreed(); under
+    # Horovod Elastic (no collective there) every rank reads the same files and decides alike
+    if engine.rank == 0 or engine.elastic:
         if cfg.restarted:
             check_same_run(cfg)
         _check_out_dir(cfg)
@@ -151,7 +154,7 @@ def _check_resume_position(cfg: Config, train_images: int) -> None:
                          "and --batch-schedule")
 
 
-def _check_batch_phases(cfg: Config, world_size: int, train_images: int) -> None:
+def check_batch_phases(cfg: Config, world_size: int, train_images: int) -> None:
     """Every global batch of --batch-schedule divides over the ranks, fits in the training set, and
     splits into whole --bn-group-size groups."""
     for _, batch in batch_phases(cfg):
@@ -193,7 +196,9 @@ def _check_out_dir(cfg: Config) -> None:
         done = _nothing_left(cfg, checkpoint.peek(saved))
         if done:
             raise RunFinished(f"{out_dir} holds a finished run ({done}); nothing to do, its files are unchanged")
-    if not cfg.resume and not cfg.restarted and any((out_dir / name).exists() for name in RUN_FILES):
+    # config.yaml as it is now, not when the flags were read: under Horovod Elastic rank 0 may have made
+    # the run since (config.yaml first, then its logs), and the others must not take that for another run
+    if not cfg.resume and not (out_dir / "config.yaml").is_file() and any((out_dir / n).exists() for n in RUN_FILES):
         raise UsageError(f"{out_dir} already holds a run without the checkpoint.pt and config.yaml to continue it "
                          "from; choose another --out-dir or remove it")
 
@@ -217,6 +222,7 @@ def make_out_dir(cfg: Config, engine) -> Path:
     out_dir = Path(cfg.out_dir or engine.broadcast_object(_default_out_dir(cfg)))  # one name, whatever each rank's clock says
     if engine.rank == 0:
         first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
+        written = out_dir / f".config.yaml.{os.getpid()}.tmp"
         # lost before its first checkpoint: nothing of it to keep (but a worker joining a running Horovod
         # Elastic job finds the job's own files, which stay)
         try:
@@ -227,9 +233,12 @@ def make_out_dir(cfg: Config, engine) -> Path:
                     if (out_dir / name).exists():
                         os.replace(out_dir / name, out_dir / f"{name}.lost")
             out_dir.mkdir(parents=True, exist_ok=True)
-            (out_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))),
-                                                              sort_keys=False))
+            # whole or not at all (another rank, or a worker joining later, may read it at any moment)
+            written.write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))), sort_keys=False))
+            os.replace(written, out_dir / "config.yaml")
         except OSError as err:
+            with contextlib.suppress(OSError):
+                written.unlink(missing_ok=True)
             if first_new is not None:
                 shutil.rmtree(first_new, ignore_errors=True)
             raise UsageError(f"cannot write the run directory {out_dir} ({err.strerror or err}); "
