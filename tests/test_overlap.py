@@ -6,6 +6,7 @@ its own hierarchical all-reduce (NCCL + MPI on GPUs across nodes)."""
 import json
 import os
 import sys
+import time
 import types
 
 import pytest
@@ -87,3 +88,41 @@ def test_horovod_is_asked_for_its_hierarchical_all_reduce_before_init(allreduce,
     monkeypatch.setattr(engines, "_device", lambda local_rank: torch.device("cpu"))
     engines.Horovod(Config(engine="horovod", allreduce=allreduce, ranks_per_node=1))
     assert seen == {"at_init": expected}
+
+
+class SpinningHorovod:
+    """Stands in for horovod.torch's waiting: an operation completes `after` seconds from its start;
+    synchronize() spins until then (Horovod's wait is a yield in a loop) and poll() says whether it has."""
+
+    def __init__(self, after: float):
+        self.done_at, self.polls, self.synchronized = time.monotonic() + after, 0, 0
+
+    def poll(self, handle) -> bool:
+        self.polls += 1
+        return time.monotonic() >= self.done_at
+
+    def synchronize(self, handle):
+        while time.monotonic() < self.done_at:
+            pass
+        self.synchronized += 1
+        return handle
+
+
+def waiter(hvd, device: str):
+    """Just what TwoLevelHorovodOptimizer._wait reads: the module and the engine's device."""
+    return types.SimpleNamespace(hvd=hvd, engine=types.SimpleNamespace(device=torch.device(device)))
+
+
+def test_horovod_two_level_waits_sleep_instead_of_taking_a_core_on_cpu():
+    hvd = SpinningHorovod(after=0.3)
+    start, cpu = time.monotonic(), time.thread_time()
+    assert engines.TwoLevelHorovodOptimizer._wait(waiter(hvd, "cpu"), "handle") == "handle"
+    # waited the whole 0.3 s for the result, but slept through it (Horovod's own wait burns the core)
+    assert time.monotonic() - start >= 0.3 and time.thread_time() - cpu < 0.1
+    assert hvd.polls > 1 and hvd.synchronized == 1
+
+
+def test_horovod_two_level_waits_are_horovods_own_on_a_gpu_host():
+    hvd = SpinningHorovod(after=0.0)  # a GPU host has cores to spare: Horovod's wait as it is
+    engines.TwoLevelHorovodOptimizer._wait(waiter(hvd, "cuda"), "handle")
+    assert (hvd.polls, hvd.synchronized) == (0, 1)

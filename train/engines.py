@@ -13,6 +13,7 @@ import datetime
 import inspect
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
@@ -42,7 +43,8 @@ class Engine(Protocol):
     def wrap(self, model: torch.nn.Module, optimizer) -> tuple:
         """(model, optimizer) whose gradients are averaged over the ranks (overlapped with backward),
         with rank 0's parameters and optimizer state on every rank (--init-from-seed: the ranks'
-        own parameters, checked to be alike, UsageError on every rank if not)."""
+        own parameters, checked to be alike, UsageError on every rank if not; under Horovod Elastic
+        nothing is sent here: the elastic state's sync does it)."""
 
     def step(self, loss: torch.Tensor, optimizer, precision) -> None:
         """Backward, gradient averaging, the loss scaler's unscale-and-check, the optimizer step."""
@@ -431,7 +433,8 @@ class Horovod(_Topology):
         try:
             import horovod.torch as hvd
         except ImportError as err:
-            raise UsageError(f"--engine horovod needs Horovod with PyTorch support ({err}); run scripts/install_horovod.sh")
+            raise UsageError(f"--engine horovod needs Horovod with PyTorch support ({err}); "
+                             "run scripts/install_horovod.sh")
         self.hvd, self.cfg = hvd, cfg
         # under horovodrun's elastic mode (--min-np/--max-np/--host-discovery-script): train/elastic.py
         self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
@@ -571,6 +574,7 @@ def _contiguous(compression):
 
 _TWO_LEVEL_BUCKET = 1 << 22  # elements per Horovod bucket: bounded messages
 _STEPS = ("sum", "reduce", "gather")  # the two-level steps on Horovod, in order
+_POLL_SLEEP_S = 0.002  # between polls while synchronize() waits on CPU (TwoLevelHorovodOptimizer._wait)
 
 
 class _Bucket:
@@ -668,7 +672,7 @@ class TwoLevelHorovodOptimizer:
         """Average the gradients over all ranks, in place. Start the buckets backward has not (a parameter
         without a gradient sends zeros), then take every bucket through its remaining steps: one step of
         every bucket, in bucket order, before the next step, so that Horovod's thread runs one bucket's
-        next step while this one waits for the following bucket's."""
+        next step while this one waits for the following bucket's (on CPU asleep: _wait)."""
         for bucket in self._buckets:
             if bucket.step is None:
                 self._start(bucket)
@@ -711,11 +715,22 @@ class TwoLevelHorovodOptimizer:
             bucket.flight.append(hvd.allgather_async(tensor, process_set=group, name=tag) if name == "gather" else
                                  hvd.allreduce_async_(tensor, op=hvd.Sum, process_set=group, name=tag))
 
+    def _wait(self, handle):
+        """The result of an operation in flight. Horovod's synchronize() waits by spinning (a yield in a
+        loop): on a CPU host with more ranks than cores, the ranks that wait take the cores from those
+        still computing, and the two-level steps wait far longer than a flat all-reduce's last one
+        (scripts/bench/scaling.py, 4 ranks on 2 cores: 0.58 x flat so). On CPU, then, poll and sleep
+        until the operation is done (a failed one is done too: synchronize() raises its error). Poll
+        only says when to look, never what to issue. A GPU host keeps Horovod's wait."""
+        if self.engine.device.type == "cpu":
+            while not self.hvd.poll(handle):
+                time.sleep(_POLL_SLEEP_S)
+        return self.hvd.synchronize(handle)
+
     def _next(self, bucket: _Bucket) -> None:
         """Take the results of the bucket's step in flight (waiting for them if need be) and issue its
         next step, or write the averaged gradients back after the last."""
-        results = [handle if isinstance(handle, torch.Tensor) else self.hvd.synchronize(handle)
-                   for handle in bucket.flight]
+        results = [handle if isinstance(handle, torch.Tensor) else self._wait(handle) for handle in bucket.flight]
         if bucket.step == 0:  # the sum over the scatter set, in place: this rank's shard of it goes on
             rank = self.engine.rank
             self._issue(bucket, 1, [total.view(len(scatter), -1)[scatter.index(rank)]

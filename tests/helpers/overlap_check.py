@@ -130,8 +130,8 @@ def torch_run(engine) -> dict:
 
 class Recorder:
     """Stands in for horovod.torch: forwards every call, records each operation issued and each
-    gradient ready while `events` is a list, and answers poll() as completions may differ between
-    ranks: done on even ranks, not yet on odd ones (only code that asked would see it)."""
+    gradient ready while `events` is a list, and answers poll() during backward as completions may
+    differ between ranks: done on even ranks, not yet on odd ones (only code that asked would see it)."""
 
     def __init__(self, inner, rank: int):
         self._inner, self.rank, self.events = inner, rank, None
@@ -146,8 +146,8 @@ class Recorder:
                 self.events.append(["issue", step, int(bucket)])
                 return value(*args, **kwargs)
             return issue
-        if name == "poll":
-            return lambda handle: self.rank % 2 == 0
+        if name == "poll":  # during backward; once synchronize() waits, the real answer
+            return lambda handle: value(handle) if ["synchronize"] in self.events else self.rank % 2 == 0
         return value
 
 
