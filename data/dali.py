@@ -220,7 +220,6 @@ class DaliLoader(FileLoader):
         for images, meta in self.val_passes.outputs(token):
             yield self._batch(images, meta)[:2]
 
-
     def close(self) -> None:
         """The pipelines go, and with them their reader processes."""
         self.passes.clear()

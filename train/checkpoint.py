@@ -11,8 +11,9 @@ fresh allocation, so no page faults on the training thread), and that memory is 
 long-lived writer process maps too. The file is laid out on the training thread (torch.save's pickle
 and zip headers, with the tensors' data left where it lies) and `Writer` hands it to that process,
 which writes, syncs and renames it at a low CPU priority: it shares neither the trainer's interpreter
-lock nor, when the cores are busy, much of their time. Where there is no memfd (not Linux) or no process can be started, the
-state is copied into fresh memory and written by a thread of the trainer, as before.
+lock nor, when the cores are busy, much of their time. Where there is no memfd (not Linux) or no
+process can be started, the state is copied into fresh memory and written by a thread of the
+trainer, as before.
 """
 import errno
 import mmap
