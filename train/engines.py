@@ -542,6 +542,9 @@ class Horovod(_Topology):
         self.hvd.barrier()
 
     def shutdown(self):
+        # every rank first: a rank whose own operations are done (say, rank 0 after its last all-gather of
+        # the two-level all-reduce) would otherwise shut Horovod down under ranks still waiting on theirs
+        self.hvd.barrier()
         self.hvd.shutdown()
 
 
