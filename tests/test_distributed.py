@@ -217,14 +217,14 @@ def test_preempted_run_resumes_by_itself_and_matches_an_uninterrupted_one(tmp_pa
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-@pytest.mark.parametrize("engine, signum", [("torch", signal.SIGTERM), ("torch", signal.SIGUSR1),
-                                            ("horovod", signal.SIGTERM), ("horovod", signal.SIGUSR1)])
+# each engine with one of the two signals (the handler is the same for both engines)
+@pytest.mark.parametrize("engine, signum", [("torch", signal.SIGTERM), ("horovod", signal.SIGUSR1)])
 def test_two_ranks_preempted_by_a_signal_to_one_rank_checkpoint_and_resume(engine, signum, tmp_path):
     """The signal reaches rank 1 only: the ranks agree at the next check (the default, every 10 steps),
     rank 0 writes the checkpoint and the marker, every rank stops, and the same command continues."""
     token = f"{engine}-{signum}-{os.getpid()}-{time.time()}"
     args = ["-m", "train", "--out-dir", "run", *SYNTHETIC, "--global-batch-size", 16, "--epochs", 100,
-            "--max-steps", 60, "--engine", engine]
+            "--max-steps", 40, "--engine", engine]
     job = subprocess.Popen(launch_command(engine, 2, *args), cwd=tmp_path, stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, env=child_env(DEAD_RANK_TOKEN=token))
     try:
@@ -243,11 +243,11 @@ def test_two_ranks_preempted_by_a_signal_to_one_rank_checkpoint_and_resume(engin
     assert job.returncode != 0, output[-3000:]  # each worker exits 75; the launcher reports its own code
     assert output.count("preempted at step") == 1, output[-3000:]  # printed once, by rank 0
     stopped_at = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"]
-    assert stopped_at % 10 == 0 and 0 < stopped_at < 60 and (tmp_path / "run" / "PREEMPTED").exists()
+    assert stopped_at % 10 == 0 and 0 < stopped_at < 40 and (tmp_path / "run" / "PREEMPTED").exists()
     again = launch(engine, 2, *args, cwd=tmp_path)  # the same command
     assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
     assert f"resuming run at step {stopped_at}" in again.stdout and not (tmp_path / "run" / "PREEMPTED").exists()
-    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 60
+    assert torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)["step"] == 40
 
 
 def _start_and_wait(command, cwd, token, records=3, **popen):

@@ -29,14 +29,14 @@ def host_aliases() -> list[str]:
     return names
 
 
-def elastic_job(tmp_path, hosts: list[str], *extra, min_np=2):
+def elastic_job(tmp_path, hosts: list[str], *extra, min_np=2, elastic_timeout=30):
     """horovodrun under elastic: the hosts file and discovery script, and the job in the background."""
     (tmp_path / "hosts").write_text("".join(f"{host}:1\n" for host in hosts))
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     script.chmod(0o755)
     command = [BIN / "horovodrun", "-np", len(hosts), "--min-np", min_np, "--max-np", 3, "--host-discovery-script",
-               script, "--elastic-timeout", 30, BIN / "python", *RUN, *extra]
+               script, "--elastic-timeout", elastic_timeout, BIN / "python", *RUN, *extra]
     return start(command, tmp_path, tmp_path / "job.log", env={"OMP_NUM_THREADS": "1"})
 
 
@@ -102,11 +102,11 @@ def test_a_worker_that_joins_later_gets_the_state(tmp_path):
 
 def test_fewer_workers_than_min_np_end_the_job_instead_of_hanging(tmp_path):
     hosts = host_aliases()[:3]
-    job = elastic_job(tmp_path, hosts, "--checkpoint-every-steps", 2, min_np=3)
+    job = elastic_job(tmp_path, hosts, "--checkpoint-every-steps", 2, min_np=3, elastic_timeout=10)
     try:
         wait_until(lambda: (tmp_path / "run" / "checkpoint.pt").exists(), 240, "a checkpoint", alive=[job])
         os.kill(wait_until(lambda: worker(job, "HOROVOD_HOSTNAME", hosts[2]), 10, "the third worker"), signal.SIGKILL)
-        code = job.wait(timeout=180)  # --elastic-timeout 30: Horovod gives up waiting for a third host
+        code = job.wait(timeout=180)  # after --elastic-timeout (10 s) Horovod gives up waiting for a third host
     finally:
         kill_tree(job)
     assert code != 0 and "at least 3 Horovod processes" in (tmp_path / "job.log").read_text()

@@ -114,11 +114,11 @@ def test_warmup_never_takes_most_of_a_short_run():
 
 @pytest.mark.slow
 def test_own_small_dataset_with_plain_defaults_trains_well(tmp_path):
-    """A user's own dataset of 2,000 small images, ResNet-50 at 32 px, --batch-size 64 --epochs 8
+    """A user's own dataset of 2,000 small images, ResNet-50 at 32 px, --batch-size 64 --epochs 6
     and no other tuning: the LR and warmup chosen from the batch reach what the tuned smoke run does."""
     data = ensure_embedded(seed=11, train_per_class=200, val_per_class=30, root=tmp_path / "data")
     result = run_train("--data-dir", data, "--out-dir", "run", "--image-size", 32, "--batch-size", 64,
-                       "--epochs", 8, "--workers", 2, cwd=tmp_path, timeout=1200)
+                       "--epochs", 6, "--workers", 2, cwd=tmp_path, timeout=1200)
     assert result.returncode == 0, result.stderr
     header = result.stdout.splitlines()[0]
     assert re.search(r"lars lr 4, warmup 2 epochs \(lr from global batch 64; warmup from global batch\)", header), header
