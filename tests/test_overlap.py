@@ -108,21 +108,16 @@ class SpinningHorovod:
         return handle
 
 
-def waiter(hvd, device: str):
-    """Just what TwoLevelHorovodOptimizer._wait reads: the module and the engine's device."""
-    return types.SimpleNamespace(hvd=hvd, engine=types.SimpleNamespace(device=torch.device(device)))
-
-
-def test_horovod_two_level_waits_sleep_instead_of_taking_a_core_on_cpu():
+def test_horovod_waits_sleep_instead_of_taking_a_core_on_cpu():
     hvd = SpinningHorovod(after=0.3)
     start, cpu = time.monotonic(), time.thread_time()
-    assert engines.TwoLevelHorovodOptimizer._wait(waiter(hvd, "cpu"), "handle") == "handle"
+    assert engines.horovod_result(hvd, "handle", torch.device("cpu")) == "handle"
     # waited the whole 0.3 s for the result, but slept through it (Horovod's own wait burns the core)
     assert time.monotonic() - start >= 0.3 and time.thread_time() - cpu < 0.1
     assert hvd.polls > 1 and hvd.synchronized == 1
 
 
-def test_horovod_two_level_waits_are_horovods_own_on_a_gpu_host():
+def test_horovod_waits_are_horovods_own_on_a_gpu_host():
     hvd = SpinningHorovod(after=0.0)  # a GPU host has cores to spare: Horovod's wait as it is
-    engines.TwoLevelHorovodOptimizer._wait(waiter(hvd, "cuda"), "handle")
+    engines.horovod_result(hvd, "handle", torch.device("cuda"))
     assert (hvd.polls, hvd.synchronized) == (0, 1)
