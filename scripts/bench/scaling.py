@@ -31,7 +31,8 @@ def run(engine: str, nproc: int, allreduce: str, args, out: Path, ranks_per_node
              "--image-size", str(args.image_size), "--batch-size", str(args.batch_size), "--global-batch-size", "0",
              "--synthetic-images", str(args.batch_size * nproc * (args.steps + 2)), "--max-steps", str(args.steps),
              "--log-every", str(args.window), "--eval-every", "0", "--precision", "fp32",
-             "--allreduce", allreduce, "--ranks-per-node", str(ranks_per_node), "--torus-rows", str(ranks_per_node)]
+             "--allreduce", allreduce, "--ranks-per-node", str(ranks_per_node), "--torus-rows", str(ranks_per_node),
+             "--bn-span", str(args.bn_span if nproc % args.bn_span == 0 else 1)]
     if engine == "torch":
         command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *train]
     elif engine == "horovod":
@@ -88,12 +89,13 @@ def main() -> None:
     parser.add_argument("--two-ranks", type=int, default=1, help="0: skip the weak-scaling part (and its last line)")
     parser.add_argument("--engines", default="torch,horovod", help="the engines of the 4-rank comparison")
     parser.add_argument("--repeats", type=int, default=1, help="rounds of the 4-rank comparison (median)")
+    parser.add_argument("--bn-span", type=int, default=1, help="BatchNorm statistics over this many ranks (1: each its own)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         flat = weak_scaling(args, Path(tmp)) if args.two_ranks else []
         if args.four_ranks:
             compare_on_four_ranks(args, Path(tmp))
-    print(f"{args.arch} {args.image_size}px, batch {args.batch_size} per rank, {args.steps} steps")
+    print(f"{args.arch} {args.image_size}px, batch {args.batch_size} per rank, {args.steps} steps, bn span {args.bn_span}")
     if flat:
         print(f"scaling: {min(flat):.3f} (goal >= 0.90)")
 
