@@ -479,7 +479,7 @@ class Horovod(_Topology):
 
     def _differentiable_sum(self, process_set):
         hvd, device = self.hvd, self.device
-        if device.type == "cpu":  # asleep while it waits (horovod_result): 4 ranks on 2 cores trained 2-4x faster
+        if device.type == "cpu":  # asleep while it waits (horovod_result; docs/allreduce.md has the figures)
             return lambda t: _HorovodSum.apply(t, hvd, process_set, device)
         return lambda t: hvd.allreduce(t, op=hvd.Sum, process_set=process_set)  # autograd-aware: backward sums too
 
