@@ -7,6 +7,7 @@ of a YAML file shipped in train/presets/ or a path to one.
 """
 import argparse
 import dataclasses
+import importlib.util
 import os
 from dataclasses import dataclass, field, fields
 from importlib import resources
@@ -88,6 +89,7 @@ class Config:
     seed: int = field(default=0)
     max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})
     log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
+    tensorboard: bool = field(default=True, metadata={"help": "also write the train, epoch and eval records as TensorBoard scalars into RUN/tensorboard (rank 0; on by default when the tensorboard package is installed)"})
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
     checkpoint_every_steps: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps, written in the background (0: never)"})
     checkpoint_every_minutes: float = field(default=0.0, metadata={"help": "also checkpoint every M minutes of training (rank 0's clock, agreed by all ranks), written in the background (0: never)"})
@@ -241,6 +243,10 @@ def parse(argv: list[str]) -> Config:
             flags.pop("batch_size", None)
             values.update(batch_size=0, global_batch_size=saved)
     values.update(flags)
+    if values.get("tensorboard", True) and importlib.util.find_spec("tensorboard") is None:
+        if flags.get("tensorboard"):
+            raise UsageError("--tensorboard needs the tensorboard package; pip install tensorboard, or drop the flag")
+        values["tensorboard"] = False  # on by default only where it is installed
     return validate(Config(**values))
 
 

@@ -18,7 +18,7 @@ import dataclasses
 from horovod.common.elastic import State
 
 from data import LoaderSettings, build_loader
-from train import checkpoint
+from train import checkpoint, runlock
 from train.config import UsageError
 from train.runlog import RunLog
 from train.startup import agreed_error, check_batch_phases, resolve_data_dir
@@ -85,9 +85,13 @@ def rejoin(training) -> None:
     training.loader = build_loader(cfg.loader, settings, engine.rank, engine.world_size, engine.device)
     training.loader_batch = cfg.batch_size
     if engine.rank != old_rank and (engine.rank == 0 or old_rank == 0):
+        # the run directory's lock goes with rank 0: the job keeps it across the change (train/runlock.py)
+        if training.lock:
+            training.lock.hand_over()
+        training.lock = runlock.RunLock.acquire(training.out_dir) if engine.rank == 0 else None
         training.log.close()
         training.log = RunLog(training.out_dir if engine.rank == 0 else None, cfg, training.eval_plan)
-        training.log.take_over()
+        training.log.take_over(training.state.step)
     global_batch = training.schedule.global_batch(training.state.epoch)
     training.log.workers(training.state.step, engine.world_size, global_batch // engine.world_size)
 

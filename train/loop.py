@@ -50,15 +50,26 @@ def run(cfg: Config) -> dict:
     init_start_ms = int(time.time() * 1000)
     engine = create_engine(cfg)
     cfg, loader, precision, data_dir, note = agreed(engine, lambda: checked_setup(cfg, engine))
-    out_dir = agreed(engine, lambda: make_out_dir(cfg, engine))
-    training = Training(dataclasses.replace(cfg, out_dir=str(out_dir)), engine, loader, precision)
+    out_dir, lock = agreed(engine, lambda: make_out_dir(cfg, engine))
+    training = None
+    try:
+        training = Training(dataclasses.replace(cfg, out_dir=str(out_dir)), engine, loader, precision)
+        training.lock = lock  # rank 0's (under Horovod Elastic it moves with rank 0: train/elastic.py)
+        return _train(training, init_start_ms, data_dir, note)
+    finally:  # the run directory is free for the next job however this one ends (a killed one's lock goes stale)
+        lock = training.lock if training else lock
+        if lock:
+            lock.release()
+
+
+def _train(training: "Training", init_start_ms: int, data_dir: str, note: str) -> dict:
     training.start(init_start_ms, data_dir, note)
     # the run's long-lived objects (model, optimizer, loader) out of the garbage collector's full passes:
     # one of those, set off by a checkpoint's allocations, stalled the step it fell in by ~0.16 s
     gc.freeze()
     try:
         with StopSignal() as stop_signal:
-            if engine.elastic:  # Horovod Elastic: the same epochs under hvd.elastic.run, with commits
+            if training.engine.elastic:  # Horovod Elastic: the same epochs under hvd.elastic.run, with commits
                 from train import elastic
                 elastic.run_epochs(training, stop_signal)
             else:
@@ -109,6 +120,7 @@ class Training:
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
         self.ledger = SampleLedger()
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
+        self.lock = None  # rank 0's lock on the run directory (train/runlock.py)
         self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: checkpoint.reserve)
         if cfg.init_from and not cfg.resume:  # checked at start-up; every rank loads the same weights
             model.load_state_dict(init_weights(cfg))

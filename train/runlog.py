@@ -24,7 +24,7 @@ class RunLog:
     def __init__(self, out_dir: Path | None, cfg, eval_plan):
         """out_dir None: a silent log (ranks other than 0)."""
         self.enabled, self.cfg, self.eval_plan = out_dir is not None, cfg, eval_plan
-        self.mllog = None
+        self.mllog, self.tensorboard, self.out_dir = None, None, out_dir
         self._started, self._offset, self._previous = time.time(), 0.0, {}
         if not self.enabled:
             return
@@ -37,10 +37,15 @@ class RunLog:
         self._previous = _previous_segment(out_dir / "metrics.jsonl")
         self._metrics = open(out_dir / "metrics.jsonl", "a", buffering=1)
 
-    def take_over(self) -> None:
-        """Horovod Elastic made this worker rank 0 in the middle of the run: it continues the files and
-        the training clock where they end."""
+    def take_over(self, step: int) -> None:
+        """Horovod Elastic made this worker rank 0 in the middle of the run, going on from `step`: it
+        continues the files, the TensorBoard curves and the training clock where they end."""
         self._offset, self._started = float(self._previous.get("seconds", 0.0)), time.time()
+        self._open_tensorboard(step)
+
+    def _open_tensorboard(self, resumed_step: int | None) -> None:
+        if self.enabled and self.cfg.tensorboard and self.tensorboard is None:
+            self.tensorboard = TensorBoard(self.out_dir / "tensorboard", resumed_step)
 
     def workers(self, step: int, ranks: int, per_rank: int) -> None:
         """Horovod Elastic changed the workers; the run goes on from its commit at `step`."""
@@ -78,6 +83,7 @@ class RunLog:
         self._started = time.time()
         last = self._previous
         self._offset = float(last.get("seconds", 0.0)) if resumed_at else 0.0
+        self._open_tensorboard(resumed_at["step"] if resumed_at else None)
         if resumed_at:
             gap = round(self._started - last["time"], 3) if "time" in last else None
             self.metrics(kind="resume", **resumed_at, seconds=round(self._offset, 3), gap_s=gap)
@@ -154,6 +160,8 @@ class RunLog:
         if self.enabled:
             record["time"] = round(time.time(), 3)
             self._metrics.write(json.dumps(record) + "\n")
+            if self.tensorboard:
+                self.tensorboard.add(record)
 
     def print(self, line: str) -> None:
         if self.enabled:
@@ -163,6 +171,8 @@ class RunLog:
         if self.enabled:
             self._metrics.close()
             self._handler.close()
+            if self.tensorboard:
+                self.tensorboard.close()
 
     def _event(self, key: str, value=None, **metadata) -> None:
         if self.enabled:
@@ -175,6 +185,27 @@ class RunLog:
     def _end(self, key: str, value=None, **metadata) -> None:
         if self.enabled:
             self.mllog.end(key=key, value=value, metadata=metadata or None)
+
+
+class TensorBoard:
+    """The train, epoch and eval records of metrics.jsonl as TensorBoard scalars (`kind/field`, at the
+    record's optimizer step and wall-clock time). A resumed segment purges what an earlier one logged
+    after the step it resumes from (a killed segment logs past its last checkpoint), so each curve
+    goes on from there once."""
+    SCALARS = {"train": ("img_per_s", "loss", "lr", "loss_scale"), "epoch": ("img_per_s", "loss", "lr"),
+               "eval": ("top1", "top5")}
+
+    def __init__(self, folder: Path, resumed_step: int | None):
+        from torch.utils.tensorboard import SummaryWriter
+        self.writer = SummaryWriter(str(folder), purge_step=None if resumed_step is None else resumed_step + 1)
+
+    def add(self, record: dict) -> None:
+        for name in self.SCALARS.get(record["kind"], ()):
+            if name in record:
+                self.writer.add_scalar(f"{record['kind']}/{name}", record[name], record["step"], walltime=record["time"])
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 def _optimizer_keys(cfg, schedule) -> list[tuple[str, object]]:

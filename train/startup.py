@@ -16,7 +16,7 @@ import yaml
 from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
 from models import build_model
-from train import checkpoint, engines
+from train import checkpoint, engines, runlock
 from train.config import Config, UsageError, to_dict
 from train.precision import Precision
 from train.rules import batch_sizes, lr_and_warmup
@@ -85,6 +85,8 @@ def checked_setup(cfg: Config, engine):
     # read-only checks of the run directory: rank 0's verdict reaches the others through agreed(); under
     # Horovod Elastic (no collective there) every rank reads the same files and decides alike
     if engine.rank == 0 or engine.elastic:
+        if cfg.out_dir and Path(cfg.out_dir).is_dir():  # another job running in it: refused before anything else
+            runlock.check(Path(cfg.out_dir))
         if cfg.restarted:
             check_same_run(cfg)
         _check_out_dir(cfg)
@@ -214,33 +216,40 @@ def _nothing_left(cfg: Config, saved: dict) -> str:
     return ""
 
 
-def make_out_dir(cfg: Config, engine) -> Path:
-    """Rank 0 creates the run directory and writes config.yaml; every rank learns the name. A
-    failure leaves nothing behind: the folders made for it are removed again."""
+def make_out_dir(cfg: Config, engine) -> tuple[Path, "runlock.RunLock | None"]:
+    """Rank 0 creates the run directory, takes its lock (train/runlock.py) and writes config.yaml; every
+    rank learns the name. A failure leaves nothing behind: the folders made for it are removed again,
+    and a job refused by the lock writes nothing at all."""
     if engine.elastic and not cfg.out_dir:  # (no collective to agree on a time-stamped name; see agreed())
         raise UsageError("Horovod Elastic needs --out-dir: a worker that joins later must find the run's directory")
     out_dir = Path(cfg.out_dir or engine.broadcast_object(_default_out_dir(cfg)))  # one name, whatever each rank's clock says
-    if engine.rank == 0:
-        first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
-        written = out_dir / f".config.yaml.{os.getpid()}.tmp"
+    if engine.rank != 0:
+        return out_dir, None
+    first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
+    written = out_dir / f".config.yaml.{os.getpid()}.tmp"
+    lock, made = None, False
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        made = True
+        lock = runlock.RunLock.acquire(out_dir)  # (a refusal leaves the folder to the job that holds it)
         # lost before its first checkpoint: nothing of it to keep (but a worker joining a running Horovod
         # Elastic job finds the job's own files, which stay)
-        try:
-            if cfg.restarted and not cfg.resume and not engine.elastic:
-                print(f"{out_dir} holds no checkpoint of its run yet: starting it again from step 0 (its logs "
-                      "kept as *.lost)", flush=True)
-                for name in RUN_FILES:  # moved aside, never deleted
-                    if (out_dir / name).exists():
-                        os.replace(out_dir / name, out_dir / f"{name}.lost")
-            out_dir.mkdir(parents=True, exist_ok=True)
-            # whole or not at all (another rank, or a worker joining later, may read it at any moment)
-            written.write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))), sort_keys=False))
-            os.replace(written, out_dir / "config.yaml")
-        except OSError as err:
-            with contextlib.suppress(OSError):
-                written.unlink(missing_ok=True)
-            if first_new is not None:
-                shutil.rmtree(first_new, ignore_errors=True)
-            raise UsageError(f"cannot write the run directory {out_dir} ({err.strerror or err}); "
-                             "choose a writable --out-dir") from err
-    return out_dir
+        if cfg.restarted and not cfg.resume and not engine.elastic:
+            print(f"{out_dir} holds no checkpoint of its run yet: starting it again from step 0 (its logs "
+                  "kept as *.lost)", flush=True)
+            for name in RUN_FILES:  # moved aside, never deleted
+                if (out_dir / name).exists():
+                    os.replace(out_dir / name, out_dir / f"{name}.lost")
+        # whole or not at all (another rank, or a worker joining later, may read it at any moment)
+        written.write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))), sort_keys=False))
+        os.replace(written, out_dir / "config.yaml")
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            written.unlink(missing_ok=True)
+        if lock is not None:
+            lock.release()
+        if first_new is not None and (lock is not None or not made):  # (never a folder another job holds)
+            shutil.rmtree(first_new, ignore_errors=True)
+        raise UsageError(f"cannot write the run directory {out_dir} ({err.strerror or err}); "
+                         "choose a writable --out-dir") from err
+    return out_dir, lock
