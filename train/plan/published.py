@@ -21,12 +21,12 @@ CHECKS = [
      "args": ["--preset", "yamazaki2019", "--gpu", "v100", "--gpus", "2048", *ABCI, "--allreduce", "hierarchical"],
      "note": "paper: global batch 81,920 (40/GPU); the preset is the MLPerf v0.6 form, 86,016 (42/GPU), 90 epochs"},
     {"system": "Fujitsu MLPerf v0.6 open, 2,048 V100", "time_s": 1.17 * 60,
-     "run": "ABCI: 512 nodes x 4 V100, 2 EDR per node; fp16, Horovod two-stage all-reduce; 42 per GPU (86,016), "
+     "run": "ABCI: 512 nodes x 4 V100-16GB, 2 EDR per node; fp16, Horovod two-stage all-reduce; 42 per GPU (86,016), "
             "90 epochs",
      "args": ["--preset", "yamazaki2019", "--gpu", "v100", "--gpus", "2048", *ABCI, "--allreduce", "hierarchical"],
      "note": "the run the preset encodes: 90 epochs"},
     {"system": "Mikami et al. 2018 (Sony), 2,176 V100", "time_s": 224.0,
-     "run": "ABCI: 544 nodes x 4 V100, 2 EDR per node; Sony NNL, 2D-torus all-reduce; 16 then 32 per GPU "
+     "run": "ABCI: 544 nodes x 4 V100-16GB, 2 EDR per node; Sony NNL, 2D-torus all-reduce; 16 then 32 per GPU "
             "(34,816 growing to 69,632)",
      "args": ["--preset", "mikami2018", "--gpu", "v100", "--gpus", "2176", *ABCI, "--allreduce", "torus"],
      "note": "epochs and batch switch not published: the preset's 88 epochs, 34,816 then 69,632 after epoch 30"},
