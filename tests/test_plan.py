@@ -311,6 +311,8 @@ def test_epochs_held_at_the_table_ends_are_said_and_listed_in_order(capsys):
     assert "held at its smallest, 1,632: 35 epochs" in parts[0] and "interpolated" in parts[1]
     assert "held at its largest, 67,840: 85.9 epochs" in parts[2]
     assert "interpolated" not in parts[0] + parts[2]
+    rows, _ = plan_json(capsys, "--preset", "goyal2017-8k", "--gpu", "h100", "--gpus", "1", "--per-gpu-batch", "8")
+    assert "held at its smallest" in rows[0]["epochs_source"] and rows[0]["epochs"] == 35.0
 
 
 def test_report_refuses_unknown_extensions_and_unwritable_paths(capsys, tmp_path):

@@ -1,7 +1,6 @@
 """The command line of `python -m train.plan` (see the package's docstring)."""
 import argparse
 import json
-import re
 import sys
 
 import train.plan as package
@@ -145,24 +144,23 @@ def table(rows: list[dict]) -> list[str]:
     return ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
 
 
-def epochs_note(rows: list[dict]) -> str:
-    """Where the epochs come from, in global-batch order; MLPerf table rows that share a reason
-    (held at an end, interpolated, the table's own) are listed as one."""
-    table_row = re.compile(r"MLPerf table at global batch ([\d,]+) \((.*)\)$")
-    parts = []  # [reason, [global batches]] or [source, []]
-    for r in sorted(rows, key=lambda r: r["global_batch"]):
-        match = table_row.match(r["epochs_source"])
-        key, batch = (match.group(2), match.group(1)) if match else (r["epochs_source"], None)
-        if not parts or parts[-1][0] != key:
-            parts.append([key, []])
-        if batch and batch not in parts[-1][1]:
-            parts[-1][1].append(batch)
-    shown = [f"{', '.join(batches)} ({key})" if batches else key for key, batches in parts]
-    return "epochs: " + ("MLPerf table at global batch " if parts[0][1] else "") + "; ".join(shown)
+def epochs_note(rows: list[dict], per_gpu_batch_kept: bool) -> str:
+    """Where the epochs come from. With --per-gpu-batch: the MLPerf table at each global batch, in
+    increasing order, batches that share a reason (held at an end, interpolated, the table's own) as one."""
+    if not per_gpu_batch_kept:
+        return "epochs: " + "; ".join(dict.fromkeys(r["epochs_source"] for r in rows))
+    groups = []  # [reason, [global batches]]
+    for batch in sorted({r["global_batch"] for r in rows}):
+        reason = model.mlperf_epochs_reason(batch)
+        if not groups or groups[-1][0] != reason:
+            groups.append([reason, []])
+        groups[-1][1].append(f"{batch:,}")
+    return "epochs: MLPerf table at global batch " + "; ".join(f"{', '.join(batches)} ({reason})"
+                                                               for reason, batches in groups)
 
 
-def notes(rows: list[dict], fit) -> list[str]:
-    out = [epochs_note(rows)]
+def notes(rows: list[dict], setup: model.Setup) -> list[str]:
+    fit, out = setup.fit, [epochs_note(rows, bool(setup.per_gpu_batch))]
     chosen = {}
     for r in sorted(rows, key=lambda r: r["gpus"]):
         if r["nccl_algorithm"]:
@@ -231,7 +229,7 @@ def main(argv=None) -> int:
             for reason in skipped:  # stdout stays one JSON list of runnable counts
                 print(f"skipped: {reason}", file=sys.stderr)
         else:
-            print("\n".join(header(setup) + table(rows) + notes(rows, setup.fit) + [f"skipped: {s}" for s in skipped]))
+            print("\n".join(header(setup) + table(rows) + notes(rows, setup) + [f"skipped: {s}" for s in skipped]))
         if report_path:  # with --json on stderr, so that stdout stays one JSON list
             print(f"report: {written}", file=sys.stderr if args.json else sys.stdout)
     except UsageError as err:

@@ -178,16 +178,14 @@ def mlperf_epochs(global_batch: int) -> float:
     return interpolate({b: (e,) for b, e in MLPERF_EPOCHS.items()}, global_batch, 0)
 
 
-def mlperf_epochs_source(global_batch: int) -> str:
-    """Where mlperf_epochs(global_batch) comes from: a point of the table, between two, or held at an end."""
+def mlperf_epochs_reason(global_batch: int) -> str:
+    """How mlperf_epochs(global_batch) was found: a point of the table, between two, or held at an end."""
     smallest, largest = min(MLPERF_EPOCHS), max(MLPERF_EPOCHS)
-    where = f"MLPerf table at global batch {global_batch:,}"
     if global_batch < smallest:
-        return f"{where} (below the table: held at its smallest, {smallest:,}: {MLPERF_EPOCHS[smallest]:g} epochs)"
+        return f"below the table: held at its smallest, {smallest:,}: {MLPERF_EPOCHS[smallest]:g} epochs"
     if global_batch > largest:
-        return f"{where} (above the table: held at its largest, {largest:,}: {MLPERF_EPOCHS[largest]:g} epochs)"
-    how = "the table's own" if global_batch in MLPERF_EPOCHS else "interpolated"
-    return f"{where} ({how})"
+        return f"above the table: held at its largest, {largest:,}: {MLPERF_EPOCHS[largest]:g} epochs"
+    return "the table's own" if global_batch in MLPERF_EPOCHS else "interpolated"
 
 
 def step_terms(setup: Setup, gpus: int, per_gpu_batch: int) -> dict:
@@ -214,7 +212,8 @@ def phases(setup: Setup, gpus: int) -> tuple[list[tuple[float, int]], float, str
     if setup.per_gpu_batch:
         global_batch = setup.per_gpu_batch * gpus
         epochs = mlperf_epochs(global_batch)
-        return [(epochs, setup.per_gpu_batch)], epochs, mlperf_epochs_source(global_batch)
+        return ([(epochs, setup.per_gpu_batch)], epochs,
+                f"MLPerf table at global batch {global_batch:,} ({mlperf_epochs_reason(global_batch)})")
     changes = batch_phases(setup.cfg)
     if setup.preset.startswith("mlperf-") and len(changes) == 1:
         epochs, source = mlperf_epochs(changes[0][1]), "MLPerf reference mean epochs to 75.9%"
