@@ -39,8 +39,9 @@ def parser() -> argparse.ArgumentParser:
                    help="GPUs with one calibration point: scale their assumed fixed per-step cost (sensitivity)")
     p.add_argument("--calibration", help="calibration YAML (default: the package's calibration.yaml)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per GPU count")
-    p.add_argument("--report", help="a .png, .svg or .pdf file (no suffix: .png): images/s and time to train "
-                                    "against GPU count, one line per all-reduce; missing folders are made")
+    p.add_argument("--report", help="a .png, .svg or .pdf file (no suffix: .png): images/s, images/s per GPU and "
+                                    "time to train against GPU count, one line per all-reduce; missing folders "
+                                    "are made")
     p.add_argument("--published", action="store_true",
                    help="compare the planner with the published results it was not fitted to, and stop")
     return p
