@@ -55,6 +55,44 @@ def test_torus_sends_half_each_way_at_once():
     assert comm.allreduce_time(cluster(8), MESSAGE, "torus", rows=8) == pytest.approx(490.0)
 
 
+def test_flat_on_gpus_is_nccls_cheaper_of_ring_and_tree():
+    # 16 ranks = 4 nodes of 4. NCCL's ring pays each hop's own latency: 2(4-1) = 6 network hops x 10
+    # + the other 30 - 6 = 24 in-node hops x 1 = 84, and 2 x 15/16 x 1200 / 10 = 225 bytes' time -> 309.
+    # Its tree: 2 x (3 in-node hops x 1 + log2(4) = 2 network hops x 10) = 46, and 2 x 1200 / 10 = 240 -> 286.
+    assert comm.nccl_choice(cluster(16), MESSAGE) == ("tree", pytest.approx(286.0))
+    assert comm.allreduce_time(cluster(16), MESSAGE, "flat", nccl=True) == pytest.approx(286.0)
+    # 10x the message: ring 84 + 2,250 = 2,334 against tree 46 + 2,400 = 2,446: the ring wins
+    assert comm.nccl_choice(cluster(16), 10 * MESSAGE) == ("ring", pytest.approx(2334.0))
+    # gloo (CPUs) keeps its one ring of synchronous rounds: 30 x (10 + 75/10) = 525
+    assert comm.allreduce_time(cluster(16), MESSAGE, "flat") == pytest.approx(525.0)
+    # one node of 4: the ring, 6 x 1 + 2 x 3/4 x 1200 / 100 = 24 (as gloo's), against the chain's 6 + 24 = 30
+    assert comm.nccl_choice(cluster(4), MESSAGE) == ("ring", pytest.approx(24.0))
+
+
+def test_default_plan_at_2528_h100_is_near_the_published_run(capsys):
+    # NVIDIA's MLPerf v4.0 run on 316 DGX H100 (16 per GPU) logged about 6.88 M img/s: 2,720 per GPU.
+    # The old model (one ring over 2,528 GPUs) predicted 580.
+    rows, _ = plan_json(capsys, "--preset", "nvidia-mlperf40-2528gpu", "--gpu", "h100", "--gpus", "2528",
+                        "--gpus-per-node", "8", "--network", "ib-ndr", "--links-per-node", "8")
+    assert rows[0]["allreduce"] == "flat" and rows[0]["nccl_algorithm"] == "tree"
+    assert abs(rows[0]["img_per_s_per_gpu"] - 2720) <= 0.25 * 2720
+    code, out, _ = run_cli(capsys, "--published")
+    row = next(line for line in out.splitlines() if "2,528 H100" in line)
+    assert "2,720 img/s/GPU" in row and "316 DGX H100" in row and "16 per GPU" in row
+    assert abs(float(row.split(" | ")[4].rstrip("%"))) <= 25
+
+
+def test_every_published_row_says_how_it_was_run(capsys):
+    code, out, _ = run_cli(capsys, "--published")
+    assert code == 0
+    header, _, *rows = out.splitlines()
+    assert header.split(" | ")[1] == "how it was run"
+    for row in rows:  # the hardware and the batch (or that it is unknown) in every row's second column
+        run = row.split(" | ")[1]
+        assert any(word in run for word in ("V100", "H100", "H200", "A100", "P100", "P40", "TPU")), row
+        assert any(word in run for word in ("per GPU", "global", "batch not in our sources")), row
+
+
 def test_one_gpu_has_no_communication():
     assert comm.allreduce_time(cluster(1, 1), MESSAGE, "hierarchical") == 0.0
 
@@ -197,6 +235,10 @@ def test_batch_schedule_runs_in_phases(capsys):
     (["--gpus", "8:x"], ["--gpus"]),
     (["--allreduce", "ring2"], ["ring2"]),
     (["--preset", "nope"], ["nope"]),
+    (["--per-gpu-batch", "0"], ["--per-gpu-batch", "at least 1", "got 0"]),
+    (["--gpus-per-node", "0"], ["--gpus-per-node", "got 0"]),
+    (["--links-per-node", "0"], ["--links-per-node", "got 0"]),
+    (["--per-gpu-batch", "3264"], ["3,264", "80 GB"]),  # an A100 holds about 1,724 (test below)
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, words):
     base = {"--preset": "mlperf-bs3264", "--gpu": "a100", "--gpus": "8"}
@@ -214,3 +256,103 @@ def test_report_writes_a_png(capsys, tmp_path):
     code, out, _ = run_cli(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "8:64", "--report", str(path))
     assert code == 0 and str(path) in out
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 10_000
+
+
+def test_throughput_is_held_to_the_fastest_measured_point(capsys):
+    # A100's one point: 2,470 img/s at 256 on one GPU; H100's fastest: 7,160 at 400. The fitted lines
+    # would give 2,647 at 1,024 and 7,511 at 1,600 images.
+    for gpu, batch, fastest in (("a100", "1024", 2470), ("h100", "1600", 7160)):
+        rows, _ = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", gpu, "--gpus", "1", "--per-gpu-batch", batch)
+        assert rows[0]["img_per_s_per_gpu"] == pytest.approx(fastest) and rows[0]["peak_bound"]
+    code, out, _ = run_cli(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "1",
+                           "--per-gpu-batch", "1024")
+    assert "^" in out and "2,470 img/s per GPU" in out
+
+
+def test_a_per_gpu_batch_must_fit_in_gpu_memory(capsys):
+    # A100-80GB: (80e9 - 2e9 reserve - 16 x 25,557,032 of model state) / 45e6 per image = 1,724.2
+    rows, _ = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "1", "--per-gpu-batch", "1724")
+    assert rows[0]["per_gpu_batch"] == 1724
+    code, _, err = run_cli(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "1", "--per-gpu-batch", "1725")
+    assert code == 2 and "1,725" in err and "at most 1,724" in err
+    # the preset's global batch of 3,264 on 1 GPU does not fit; on 64 (51 each) it does
+    rows, err = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "1,64")
+    assert [r["gpus"] for r in rows] == [64] and "1 GPUs: per-GPU batch 3,264 does not fit" in err
+    # every calibration point fits: V100-16GB at 256 ((16e9 - 2e9 - 0.41e9) / 45e6 = 302)
+    rows, _ = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", "v100", "--gpus", "1", "--per-gpu-batch", "256")
+    assert rows[0]["img_per_s_per_gpu"] == pytest.approx(1200)
+
+
+def test_activation_estimate_counts_the_models_kept_tensors():
+    # The tensors backward keeps, per 224 px image: the input, each convolution's output (BatchNorm's
+    # input), each BatchNorm's output (ReLU runs in place on it), the max-pool's output; fp16.
+    import torch
+    from models import build_model
+    counted = [0]
+
+    def count(module, inputs, output):
+        counted[0] += output.numel()
+    net = build_model("resnet50").to("meta")
+    for module in net.modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.MaxPool2d)):
+            module.register_forward_hook(count)
+    net(torch.zeros(1, 3, 224, 224, device="meta"))
+    assert model.ACTIVATION_BYTES_PER_IMAGE == pytest.approx(2 * (counted[0] + 3 * 224 * 224), rel=0.02)
+
+
+def test_epochs_held_at_the_table_ends_are_said_and_listed_in_order(capsys):
+    # global batch 8 (below the table's 1,632), 16,384 (between 13,056 and 32,768), 1,048,576 (above 67,840)
+    code, out, _ = run_cli(capsys, "--preset", "goyal2017-8k", "--gpu", "h100", "--gpus", "131072,1,2048",
+                           "--per-gpu-batch", "8")
+    assert code == 0
+    footer = next(line for line in out.splitlines() if line.startswith("epochs: "))
+    parts = footer.removeprefix("epochs: MLPerf table at global batch ").split("; ")
+    assert [p.split(" (")[0] for p in parts] == ["8", "16,384", "1,048,576"]
+    assert "held at its smallest, 1,632: 35 epochs" in parts[0] and "interpolated" in parts[1]
+    assert "held at its largest, 67,840: 85.9 epochs" in parts[2]
+    assert "interpolated" not in parts[0] + parts[2]
+    rows, _ = plan_json(capsys, "--preset", "goyal2017-8k", "--gpu", "h100", "--gpus", "1", "--per-gpu-batch", "8")
+    assert "held at its smallest" in rows[0]["epochs_source"] and rows[0]["epochs"] == 35.0
+
+
+def test_report_refuses_unknown_extensions_and_unwritable_paths(capsys, tmp_path):
+    base = ["--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "8"]
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    for report, words in ((tmp_path / "plan.txt", ["'.txt'", ".png"]), (blocker / "plan.png", ["cannot write"]),
+                          (tmp_path, ["is a folder"])):
+        code, out, err = run_cli(capsys, *base, "--report", str(report))
+        assert code == 2 and out == "" and len(err.strip().splitlines()) == 1 and err.startswith("error: ")
+        assert all(word in err for word in words), err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file"]  # nothing half-written
+
+
+def test_report_prints_the_path_it_wrote_and_the_folder_it_made(capsys, tmp_path):
+    base = ["--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "8"]
+    code, out, _ = run_cli(capsys, *base, "--report", str(tmp_path / "plan"))  # no suffix: a PNG
+    assert code == 0 and f"report: {tmp_path / 'plan.png'}\n" in out
+    assert (tmp_path / "plan.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    code, out, _ = run_cli(capsys, *base, "--report", str(tmp_path / "new" / "deeper" / "plan.svg"))
+    assert code == 0 and f"(made the folder {tmp_path / 'new' / 'deeper'})" in out
+    assert (tmp_path / "new" / "deeper" / "plan.svg").read_text().lstrip().startswith("<?xml")
+    code, out, err = run_cli(capsys, *base, "--json", "--report", str(tmp_path / "j.png"))
+    assert json.loads(out) and f"report: {tmp_path / 'j.png'}" in err
+
+
+def test_report_lines_are_told_apart_and_the_gpu_axis_reads_plain_counts():
+    from train.plan import cli, report
+    args = cli.parser().parse_args(["--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "8:64"])
+    lines = {name: cli.plans(cli.setup_of(args, name), [8, 16, 32, 64])[0] for name in comm.ALGORITHMS}
+    fig = report.figure(lines, "test")
+    fig.canvas.draw()
+    for axis in fig.axes:
+        assert [t.get_text() for t in axis.get_xticklabels()] == ["8", "16", "32", "64"]
+        assert all("^" not in t.get_text() for t in axis.get_yticklabels())  # no 10^k labels
+        drawn = {line.get_label(): line for line in axis.get_lines()}
+        algorithms = [label for label in drawn if label.split()[0] in comm.ALGORITHMS]
+        assert len(algorithms) == 4
+        styles = {(drawn[a].get_linestyle(), drawn[a].get_marker()) for a in algorithms}
+        assert len(styles) == 4  # each algorithm its own line style and marker
+    # on one A100 node the all-reduce hardly matters: the legend names the lines that coincide
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert any("same as" in label for label in labels)

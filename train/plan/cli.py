@@ -5,7 +5,7 @@ import sys
 
 import train.plan as package
 from train.config import UsageError, parse as parse_config
-from train.plan import comm, model
+from train.plan import comm, model, report
 from train.plan.hardware import IN_NODE_LATENCY_S, NETWORKS, gpu as gpu_spec
 from train.plan.published import CHECKS, PUBLISHED_TOP1
 
@@ -27,7 +27,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--allreduce", help=f"{', '.join(comm.ALGORITHMS)} (default: the preset's)")
     p.add_argument("--torus-rows", type=int, help="--allreduce torus: ranks per line of the grid (default: the "
                                                   "preset's, 0: the GPUs per node)")
-    p.add_argument("--per-gpu-batch", type=int, default=0,
+    p.add_argument("--per-gpu-batch", type=int,
                    help="keep this per-GPU batch (the global batch grows; epochs from the MLPerf table)")
     p.add_argument("--overlap", type=float, default=model.DEFAULT_OVERLAP,
                    help="share of the all-reduce hidden behind backward (default %(default)s)")
@@ -39,7 +39,9 @@ def parser() -> argparse.ArgumentParser:
                    help="GPUs with one calibration point: scale their assumed fixed per-step cost (sensitivity)")
     p.add_argument("--calibration", help="calibration YAML (default: the package's calibration.yaml)")
     p.add_argument("--json", action="store_true", help="print a JSON list, one object per GPU count")
-    p.add_argument("--report", help="PNG: images/s and time to train against GPU count, one line per all-reduce")
+    p.add_argument("--report", help="a .png, .svg or .pdf file (no suffix: .png): images/s, images/s per GPU and "
+                                    "time to train against GPU count, one line per all-reduce; missing folders "
+                                    "are made")
     p.add_argument("--published", action="store_true",
                    help="compare the planner with the published results it was not fitted to, and stop")
     return p
@@ -70,8 +72,9 @@ def setup_of(args, allreduce: str | None = None) -> model.Setup:
     cfg = parse_config(["--preset", args.preset])
     spec = gpu_spec(args.gpu)
     per_node, network, links = spec.node
-    machine = model.Machine(spec, args.gpus_per_node or per_node, args.network or network,
-                            args.links_per_node or links, args.in_node)
+    machine = model.Machine(spec, per_node if args.gpus_per_node is None else args.gpus_per_node,
+                            args.network or network, links if args.links_per_node is None else args.links_per_node,
+                            args.in_node)
     if machine.gpus_per_node < 1:
         raise UsageError(f"--gpus-per-node must be at least 1, got {machine.gpus_per_node}")
     machine.cluster(2)  # a bad --network, --links-per-node or --in-node is refused now
@@ -80,9 +83,11 @@ def setup_of(args, allreduce: str | None = None) -> model.Setup:
         raise UsageError(f"unknown --allreduce {allreduce!r}; known: {', '.join(comm.ALGORITHMS)}")
     if not 0 <= args.overlap <= 1:
         raise UsageError(f"--overlap must be in [0, 1], got {args.overlap}")
-    if args.per_gpu_batch < 0 or args.fixed_cost_scale <= 0 or args.cpu_cores_per_gpu < 1 or args.startup_s < 0:
-        raise UsageError("--per-gpu-batch must not be negative, --fixed-cost-scale and --cpu-cores-per-gpu must be "
-                         "positive, --startup-s not negative")
+    if args.per_gpu_batch is not None and args.per_gpu_batch < 1:
+        raise UsageError(f"--per-gpu-batch must be at least 1, got {args.per_gpu_batch} (leave it out to keep the "
+                         "preset's global batch)")
+    if args.fixed_cost_scale <= 0 or args.cpu_cores_per_gpu < 1 or args.startup_s < 0:
+        raise UsageError("--fixed-cost-scale and --cpu-cores-per-gpu must be positive, --startup-s not negative")
     calibration = model.load_calibration(args.calibration)
     params = model.parameter_count(cfg.arch)
     fit = model.fit_gpu(spec.name, calibration, params, args.fixed_cost_scale)
@@ -90,7 +95,7 @@ def setup_of(args, allreduce: str | None = None) -> model.Setup:
     cap = model.DALI_GPU_IMG_S if args.loader == "dali-gpu" else args.cpu_cores_per_gpu * model.CPU_DECODE_IMG_S_PER_CORE
     rows = cfg.torus_rows if args.torus_rows is None else args.torus_rows
     return model.Setup(args.preset, cfg, machine, fit, allreduce, rows, args.overlap, args.wire, cap,
-                       args.per_gpu_batch, args.startup_s, top1)
+                       args.per_gpu_batch or 0, args.startup_s, top1)
 
 
 def plans(setup: model.Setup, counts: list[int]) -> tuple[list[dict], list[str]]:
@@ -116,7 +121,9 @@ def header(setup: model.Setup) -> list[str]:
     return [f"plan: preset {setup.preset} ({batch}); {m.gpu.name} ({m.gpu.precision}), {m.gpus_per_node} per node, "
             f"{m.links_per_node} x {m.network} per node, {m.in_node} in the node",
             f"all-reduce {setup.allreduce}" + (f" (torus rows {setup.torus_rows or m.gpus_per_node})"
-                                               if setup.allreduce == "torus" else "")
+                                               if setup.allreduce == "torus" else
+                                               " (NCCL's: the cheaper of its ring and tree)"
+                                               if setup.allreduce == "flat" else "")
             + f" of {params:,} {setup.wire} gradients ({params * model.WIRE_BYTES[setup.wire] / 1e6:.1f} MB), "
             f"{setup.overlap:g} hidden behind backward; input cap {setup.input_cap:,.0f} img/s per GPU; "
             f"start-up {setup.startup_s:g} s; Valid FLOPS at top-1 {setup.top1}",
@@ -129,7 +136,8 @@ def table(rows: list[dict]) -> list[str]:
     for r in rows:
         lines.append((f"{r['gpus']}", f"{r['nodes']}", f"{r['per_gpu_batch']}" + ("+" if "phases" in r else ""),
                       f"{r['global_batch']:,}", f"{r['compute_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}",
-                      f"{r['optimizer_s'] * 1e3:.2f}", f"{r['step_s'] * 1e3:.2f}" + ("*" if r["input_bound"] else ""),
+                      f"{r['optimizer_s'] * 1e3:.2f}", f"{r['step_s'] * 1e3:.2f}" + ("*" if r["input_bound"] else
+                                                                                     "^" if r["peak_bound"] else ""),
                       f"{r['img_per_s']:,.0f}", f"{r['img_per_s_per_gpu']:,.0f}", f"{r['epochs']:.1f}",
                       f"{r['eval_s']:.1f}", duration(r["time_to_train_s"]), f"{r['flops']:.3e}",
                       f"{r['valid_flops']:.3e}"))
@@ -137,10 +145,29 @@ def table(rows: list[dict]) -> list[str]:
     return ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
 
 
-def notes(rows: list[dict]) -> list[str]:
-    out = []
-    sources = sorted({r["epochs_source"] for r in rows})
-    out.append("epochs: " + "; ".join(sources))
+def epochs_note(rows: list[dict], per_gpu_batch_kept: bool) -> str:
+    """Where the epochs come from. With --per-gpu-batch: the MLPerf table at each global batch, in
+    increasing order, batches that share a reason (held at an end, interpolated, the table's own) as one."""
+    if not per_gpu_batch_kept:
+        return "epochs: " + "; ".join(dict.fromkeys(r["epochs_source"] for r in rows))
+    groups = []  # [reason, [global batches]]
+    for batch in sorted({r["global_batch"] for r in rows}):
+        reason = model.mlperf_epochs_reason(batch)
+        if not groups or groups[-1][0] != reason:
+            groups.append([reason, []])
+        groups[-1][1].append(f"{batch:,}")
+    return "epochs: MLPerf table at global batch " + "; ".join(f"{', '.join(batches)} ({reason})"
+                                                               for reason, batches in groups)
+
+
+def notes(rows: list[dict], setup: model.Setup) -> list[str]:
+    fit, out = setup.fit, [epochs_note(rows, bool(setup.per_gpu_batch))]
+    chosen = {}
+    for r in sorted(rows, key=lambda r: r["gpus"]):
+        if r["nccl_algorithm"]:
+            chosen.setdefault(r["nccl_algorithm"], []).append(f"{r['gpus']}")
+    if chosen:
+        out.append("flat: NCCL's " + "; ".join(f"{name} at {', '.join(counts)} GPUs" for name, counts in chosen.items()))
     for r in rows:
         for phase in r.get("phases", [])[1:]:
             out.append(f"{r['gpus']} GPUs: then {phase['epochs']:g} epochs at {phase['per_gpu_batch']}/GPU "
@@ -148,25 +175,30 @@ def notes(rows: list[dict]) -> list[str]:
                        f"(compute {phase['compute_s'] * 1e3:.2f}, comm {phase['comm_s'] * 1e3:.2f})")
     if any(r["input_bound"] for r in rows):
         out.append("*: the input pipeline sets the step time")
+    if any(r["peak_bound"] for r in rows):
+        out.append(f"^: held at the {fit.gpu}'s fastest measured rate, {fit.peak_img_s:,.0f} img/s per GPU (the "
+                   "compute fit is not extrapolated past its points)")
     return out
 
 
 def published_table() -> list[str]:
     """Every published result not used for calibration beside the planner's prediction."""
-    lines = ["| system | published | planner | error | command | note |", "|---|---|---|---|---|---|"]
+    lines = ["| system | how it was run | published | planner | error | command | note |",
+             "|---|---|---|---|---|---|---|"]
     for check in CHECKS:
         args = parser().parse_args(check["args"])
         command = "python -m train.plan " + " ".join(check["args"])
+        first = f"| {check['system']} | {check['run']}"
         try:
             row = plans(setup_of(args), gpu_counts(args.gpus))[0][0]
         except UsageError as err:
-            lines.append(f"| {check['system']} | {_published(check)} | refused: {err} | - | `{command}` | {check['note']} |")
+            lines.append(f"{first} | {_published(check)} | refused: {err} | - | `{command}` | {check['note']} |")
             continue
         for key, show in (("time_s", duration), ("img_per_s_per_gpu", lambda v: f"{v:,.0f} img/s/GPU")):
             if key in check:
                 mine = row["time_to_train_s"] if key == "time_s" else row["img_per_s_per_gpu"]
                 error = (mine - check[key]) / check[key]
-                lines.append(f"| {check['system']} | {show(check[key])} | {show(mine)} | {error:+.1%} | `{command}` "
+                lines.append(f"{first} | {show(check[key])} | {show(mine)} | {error:+.1%} | `{command}` "
                              f"| {check['note']} |")
     return lines
 
@@ -185,22 +217,22 @@ def main(argv=None) -> int:
         if missing:
             raise UsageError(f"give {', '.join('--' + m for m in missing)}; see python -m train.plan --help")
         counts = gpu_counts(args.gpus)
+        report_path = report.checked_path(args.report) if args.report else None  # refused before any work
         setup = setup_of(args)
         rows, skipped = plans(setup, counts)
         if not rows:
             raise UsageError(f"no GPU count fits preset {args.preset}: " + "; ".join(skipped))
-        if args.report:
-            from train.plan.report import draw_report
+        if report_path:
             lines = {name: plans(setup_of(args, name), counts)[0] for name in comm.ALGORITHMS}
-            draw_report(lines, args.report, f"{args.preset} on {setup.machine.gpu.name}")
+            written = report.draw_report(lines, report_path, f"{args.preset} on {setup.machine.gpu.name}")
         if args.json:
             print(json.dumps(rows))
             for reason in skipped:  # stdout stays one JSON list of runnable counts
                 print(f"skipped: {reason}", file=sys.stderr)
         else:
-            print("\n".join(header(setup) + table(rows) + notes(rows) + [f"skipped: {s}" for s in skipped]))
-            if args.report:
-                print(f"report: {args.report}")
+            print("\n".join(header(setup) + table(rows) + notes(rows, setup) + [f"skipped: {s}" for s in skipped]))
+        if report_path:  # with --json on stderr, so that stdout stays one JSON list
+            print(f"report: {written}", file=sys.stderr if args.json else sys.stdout)
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

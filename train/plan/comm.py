@@ -6,8 +6,10 @@ all-reduce 2(k-1). A round costs its slowest hop: latency + (m/k) / bandwidth. A
 share a node uses the GPU's in-node link; a group spanning nodes is limited by the network, whose
 bandwidth (all of a node's links together) is shared by the groups that leave the node at once.
 
-The groups are the trainer's own (train/engines.py): flat is one ring over all ranks; hierarchical
-and torus are the routes of two_level_routes over the grid of torus_grid (reduce-scatter among the
+The groups are the trainer's own (train/engines.py). flat is the engine's own all-reduce over all
+ranks: on CPUs gloo's, one ring; on GPUs NCCL's, which picks per call the cheaper of its ring and its
+tree (NCCL's tuning model, src/graph/tuning.cc; docs/planner.md), modelled by nccl_ring and
+nccl_tree. hierarchical and torus are the routes of two_level_routes over the grid of torus_grid (reduce-scatter among the
 scatter ranks, all-reduce of the shard among the reduce ranks, all-gather); torus sends half of the
 message along each route at once. tree is hierarchical with the between-node all-reduce done by
 recursive halving and doubling (Rabenseifner: 2 log2(k) latencies at a ring's bandwidth), as NCCL's
@@ -63,8 +65,46 @@ def hop(group: tuple, cluster: Cluster, network_sharers: int, node_sharers: int)
 
 
 def flat(cluster: Cluster, nbytes: float) -> float:
+    """gloo's all-reduce: one ring in synchronous rounds, each as slow as the slowest hop."""
     everyone = tuple(range(cluster.gpus))
     return ring("all_reduce", cluster.gpus, nbytes, hop(everyone, cluster, 1, 1))
+
+
+def nodes_in(cluster: Cluster) -> int:
+    return math.ceil(cluster.gpus / cluster.gpus_per_node)
+
+
+def slowest_link(cluster: Cluster) -> float:
+    """Bytes/s of the slowest link a message crosses: the network once it leaves the node."""
+    if nodes_in(cluster) == 1:
+        return cluster.in_node.bytes_per_s
+    return min(cluster.in_node.bytes_per_s, cluster.network.bytes_per_s)
+
+
+def nccl_ring(cluster: Cluster, nbytes: float) -> float:
+    """NCCL's ring: chunks flow through the ring in a pipeline, so each of the 2(k-1) steps pays
+    its own hop's latency (2(N-1) of them cross the network, the rest stay in a node), and the
+    ring's 2(k-1)/k of the message crosses the slowest link."""
+    k, nodes = cluster.gpus, nodes_in(cluster)
+    network_hops = 2 * (nodes - 1)
+    in_node_hops = 2 * (k - 1) - network_hops
+    latency = in_node_hops * cluster.in_node.latency_s + network_hops * cluster.network.latency_s
+    return latency + 2 * (k - 1) / k * nbytes / slowest_link(cluster)
+
+
+def nccl_tree(cluster: Cluster, nbytes: float) -> float:
+    """NCCL's tree: a chain through the node's GPUs and a double binary tree over the nodes, up
+    (reduce) and back down (broadcast): 2 x (G-1 in-node hops + log2(N) network hops) of latency;
+    every rank sends and receives the whole message on the way up and again on the way down."""
+    depth_latency = ((cluster.gpus_per_node - 1) * cluster.in_node.latency_s
+                     + math.ceil(math.log2(nodes_in(cluster))) * cluster.network.latency_s)
+    return 2 * depth_latency + 2 * nbytes / slowest_link(cluster)
+
+
+def nccl_choice(cluster: Cluster, nbytes: float) -> tuple[str, float]:
+    """(ring or tree, seconds): what NCCL's tuning picks for one all-reduce, the cheaper of the two."""
+    ring_s, tree_s = nccl_ring(cluster, nbytes), nccl_tree(cluster, nbytes)
+    return ("ring", ring_s) if ring_s <= tree_s else ("tree", tree_s)
 
 
 def two_level(cluster: Cluster, nbytes: float, allreduce: str, rows: int) -> float:
@@ -97,13 +137,14 @@ def two_level(cluster: Cluster, nbytes: float, allreduce: str, rows: int) -> flo
     return scatter + reduce + gather
 
 
-def allreduce_time(cluster: Cluster, nbytes: float, allreduce: str, rows: int = 0) -> float:
+def allreduce_time(cluster: Cluster, nbytes: float, allreduce: str, rows: int = 0, nccl: bool = False) -> float:
     """Seconds for one all-reduce of `nbytes` per rank. rows: the torus grid's line length (0: the
-    GPUs per node; hierarchical and tree always use the nodes)."""
+    GPUs per node; hierarchical and tree always use the nodes). nccl: flat is NCCL's all-reduce (the
+    trainer on GPUs), not gloo's ring (on CPUs)."""
     if cluster.gpus == 1:
         return 0.0
     if allreduce == "flat":
-        return flat(cluster, nbytes)
+        return nccl_choice(cluster, nbytes)[1] if nccl else flat(cluster, nbytes)
     node = min(cluster.gpus_per_node, cluster.gpus)
     rows = rows if allreduce == "torus" and rows else node
     return two_level(cluster, nbytes, allreduce, rows)

@@ -7,7 +7,11 @@ point borrows the shape of the reference GPU's fit (H100, the only one published
 its fixed cost is the reference's scaled by the ratio of per-image costs, i.e. both GPUs reach half
 their peak rate at the same per-GPU batch (the "knee" fixed_s / per_image_s), times a sensitivity
 factor (--fixed-cost-scale, docs/planner.md).
+
+The line keeps rising towards 1 / per_image_s beyond the largest batch it was fitted at, a rate no
+one measured: a whole step is held to the fastest per-GPU rate among the GPU's points (peak_img_s).
 """
+import math
 from dataclasses import dataclass
 
 
@@ -17,6 +21,7 @@ class Fit:
     fixed_s: float
     per_image_s: float
     how: str  # which points, and whether the fixed cost is assumed
+    peak_img_s: float = math.inf  # the fastest whole-step images/s per GPU among its points
 
     def seconds(self, per_gpu_batch: float) -> float:
         return self.fixed_s + per_gpu_batch * self.per_image_s

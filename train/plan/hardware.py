@@ -21,13 +21,14 @@ class Gpu:
     pcie_bytes_per_s: float  # its PCIe slot, per direction (a node without NVLink)
     precision: str  # what its calibration figures were measured in
     node: tuple[int, str, int]  # default node: GPUs per node, network, links per node
+    memory_bytes: float  # the model whose figures calibrate it: V100-16GB, A100-80GB, H100 80 GB, H200 141 GB
 
 
 GPUS = {
-    "v100": Gpu("v100", 900 * GB, 150 * GB, 16 * GB, "fp16 (mixed)", (8, "ib-edr", 4)),  # DGX-1
-    "a100": Gpu("a100", 2039 * GB, 300 * GB, 32 * GB, "fp16 (mixed)", (8, "ib-hdr", 8)),  # DGX A100
-    "h100": Gpu("h100", 3350 * GB, 450 * GB, 64 * GB, "fp16 (mixed)", (8, "ib-ndr", 8)),  # DGX H100
-    "h200": Gpu("h200", 4800 * GB, 450 * GB, 64 * GB, "fp16 (mixed)", (8, "ib-ndr", 8)),  # DGX H200
+    "v100": Gpu("v100", 900 * GB, 150 * GB, 16 * GB, "fp16 (mixed)", (8, "ib-edr", 4), 16 * GB),  # DGX-1
+    "a100": Gpu("a100", 2039 * GB, 300 * GB, 32 * GB, "fp16 (mixed)", (8, "ib-hdr", 8), 80 * GB),  # DGX A100
+    "h100": Gpu("h100", 3350 * GB, 450 * GB, 64 * GB, "fp16 (mixed)", (8, "ib-ndr", 8), 80 * GB),  # DGX H100
+    "h200": Gpu("h200", 4800 * GB, 450 * GB, 64 * GB, "fp16 (mixed)", (8, "ib-ndr", 8), 141 * GB),  # DGX H200
 }
 NOT_MODELLED = "P100, P40 and TPUs are not modelled: no calibration figures for them"
 

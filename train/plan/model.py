@@ -34,6 +34,14 @@ CPU_DECODE_IMG_S_PER_CORE = 280  # DALI CPU pipeline measured on this project's 
 # MLPerf reference convergence points: global batch -> mean epochs to 75.9% top-1 (docs/learning_rate.md, docs/mlperf.md)
 MLPERF_EPOCHS = {1632: 35.0, 3264: 35.2, 4096: 40.0, 8192: 42.0, 13056: 45.4, 32768: 56.0, 49152: 68.0,
                  58880: 79.9, 65536: 84.5, 67840: 85.9}
+# GPU memory of a training step (docs/planner.md): the activations kept for backward, per image at
+# 224 px in fp16 (each convolution's output and each BatchNorm's output, on which ReLU runs in
+# place: 22.6 M values), the model state per parameter (fp32 weight, gradient and momentum, fp16
+# copies of weight and gradient), and a reserve for the CUDA context, cuDNN workspaces and the
+# allocator's slack (assumed).
+ACTIVATION_BYTES_PER_IMAGE = 45e6
+STATE_BYTES_PER_PARAM = 16
+MEMORY_RESERVE_BYTES = 2e9
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,13 @@ def nodes_of(gpus: int, gpus_per_node: int) -> int:
     return max(1, gpus // gpus_per_node)
 
 
+def max_per_gpu_batch(spec: Gpu, params: int, image_size: int) -> int:
+    """The largest per-GPU batch whose step fits in the GPU's memory (activations scale with pixels)."""
+    per_image = ACTIVATION_BYTES_PER_IMAGE * (image_size / 224) ** 2
+    free = spec.memory_bytes - MEMORY_RESERVE_BYTES - params * STATE_BYTES_PER_PARAM
+    return max(0, int(free // per_image))
+
+
 def check_rows(gpus: int, rows: int) -> None:
     if rows and gpus % rows:
         raise UsageError(f"--torus-rows {rows} does not divide {gpus} GPUs; choose a divisor of every count")
@@ -119,7 +134,8 @@ def _point_compute_s(point: dict, params: int) -> tuple[float, float]:
     batch, step = point["per_gpu_batch"], point["per_gpu_batch"] / point["img_per_s"]
     gpus = point.get("gpus", 1)
     machine = Machine(spec, point.get("gpus_per_node", 1), point.get("network", "ib-edr"), point.get("links_per_node", 1))
-    comm_s = comm.allreduce_time(machine.cluster(gpus), params * WIRE_BYTES["fp16"], point.get("allreduce", "flat"))
+    comm_s = comm.allreduce_time(machine.cluster(gpus), params * WIRE_BYTES["fp16"], point.get("allreduce", "flat"),
+                                 nccl=True)
     seconds = compute.compute_from_step(step, comm_s, optimizer_seconds(spec, params), DEFAULT_OVERLAP, BACKWARD_SHARE)
     return batch, seconds
 
@@ -139,10 +155,11 @@ def fit_gpu(name: str, calibration: dict, params: int, fixed_cost_scale: float =
         raise UsageError(f"no calibration figures for --gpu {name} in the calibration file")
     pairs = [_point_compute_s(p, params) for p in chosen]
     batches = sorted({b for b, _ in pairs})
+    peak = max(p["img_per_s"] for p in chosen)
     if len(batches) >= 2:
         fixed, per_image = compute.affine(pairs)
         return compute.Fit(name, fixed, per_image, f"{what}, {len(pairs)} points at batches "
-                                                    f"{', '.join(str(b) for b in batches)}")
+                                                    f"{', '.join(str(b) for b in batches)}", peak)
     reference = str(calibration.get("reference_gpu", "h100"))
     if reference == name:
         raise UsageError(f"the reference GPU {name} needs calibration points at two per-GPU batches")
@@ -150,7 +167,7 @@ def fit_gpu(name: str, calibration: dict, params: int, fixed_cost_scale: float =
     fixed, per_image = compute.one_point(*pairs[0], knee)
     return compute.Fit(name, fixed, per_image, f"{what}, 1 point at batch {batches[0]}; fixed cost assumed: "
                                                f"{reference}'s knee {knee:.1f} images" +
-                                               (f" ({fixed_cost_scale:g} x)" if fixed_cost_scale != 1 else ""))
+                                               (f" ({fixed_cost_scale:g} x)" if fixed_cost_scale != 1 else ""), peak)
 
 
 # ---- the run ----
@@ -161,20 +178,33 @@ def mlperf_epochs(global_batch: int) -> float:
     return interpolate({b: (e,) for b, e in MLPERF_EPOCHS.items()}, global_batch, 0)
 
 
+def mlperf_epochs_reason(global_batch: int) -> str:
+    """How mlperf_epochs(global_batch) was found: a point of the table, between two, or held at an end."""
+    smallest, largest = min(MLPERF_EPOCHS), max(MLPERF_EPOCHS)
+    if global_batch < smallest:
+        return f"below the table: held at its smallest, {smallest:,}: {MLPERF_EPOCHS[smallest]:g} epochs"
+    if global_batch > largest:
+        return f"above the table: held at its largest, {largest:,}: {MLPERF_EPOCHS[largest]:g} epochs"
+    return "the table's own" if global_batch in MLPERF_EPOCHS else "interpolated"
+
+
 def step_terms(setup: Setup, gpus: int, per_gpu_batch: int) -> dict:
     """One training step of every GPU: compute, the all-reduce (all of it and the exposed part),
-    the optimizer step, and the step time, no shorter than the input pipeline allows."""
+    the optimizer step, and the step time, no shorter than the input pipeline allows nor faster per
+    image than the GPU's fastest measured point."""
     params = parameter_count(setup.cfg.arch)
     compute_s = setup.fit.seconds(per_gpu_batch)
-    comm_total = comm.allreduce_time(setup.machine.cluster(gpus), params * WIRE_BYTES[setup.wire], setup.allreduce,
-                                     setup.torus_rows)
+    cluster, nbytes = setup.machine.cluster(gpus), params * WIRE_BYTES[setup.wire]
+    comm_total = comm.allreduce_time(cluster, nbytes, setup.allreduce, setup.torus_rows, nccl=True)
     comm_s = comm.exposed(comm_total, compute_s, setup.overlap, BACKWARD_SHARE)
     optimizer_s = optimizer_seconds(setup.machine.gpu, params)
     step = compute_s + comm_s + optimizer_s
-    input_s = per_gpu_batch / setup.input_cap
+    input_s, peak_s = per_gpu_batch / setup.input_cap, per_gpu_batch / setup.fit.peak_img_s
+    nccl = comm.nccl_choice(cluster, nbytes)[0] if setup.allreduce == "flat" and gpus > 1 else None
     return {"per_gpu_batch": per_gpu_batch, "global_batch": per_gpu_batch * gpus, "compute_s": compute_s,
             "comm_s": comm_s, "comm_total_s": comm_total, "optimizer_s": optimizer_s,
-            "step_s": max(step, input_s), "input_bound": input_s > step}
+            "step_s": max(step, input_s, peak_s), "input_bound": input_s > max(step, peak_s),
+            "peak_bound": peak_s > max(step, input_s) * (1 + 1e-9), "nccl_algorithm": nccl}  # not at the point itself
 
 
 def phases(setup: Setup, gpus: int) -> tuple[list[tuple[float, int]], float, str]:
@@ -182,7 +212,8 @@ def phases(setup: Setup, gpus: int) -> tuple[list[tuple[float, int]], float, str
     if setup.per_gpu_batch:
         global_batch = setup.per_gpu_batch * gpus
         epochs = mlperf_epochs(global_batch)
-        return [(epochs, setup.per_gpu_batch)], epochs, f"MLPerf table at global batch {global_batch:,} (interpolated)"
+        return ([(epochs, setup.per_gpu_batch)], epochs,
+                f"MLPerf table at global batch {global_batch:,} ({mlperf_epochs_reason(global_batch)})")
     changes = batch_phases(setup.cfg)
     if setup.preset.startswith("mlperf-") and len(changes) == 1:
         epochs, source = mlperf_epochs(changes[0][1]), "MLPerf reference mean epochs to 75.9%"
@@ -203,6 +234,12 @@ def plan(setup: Setup, gpus: int) -> dict:
     nodes = nodes_of(gpus, setup.machine.gpus_per_node)
     check_rows(gpus, setup.torus_rows if setup.allreduce == "torus" else 0)
     spans, epochs, epochs_source = phases(setup, gpus)
+    params, spec = parameter_count(setup.cfg.arch), setup.machine.gpu
+    fits = max_per_gpu_batch(spec, params, setup.cfg.image_size)
+    for _, batch in spans:
+        if batch > fits:
+            raise Skip(f"per-GPU batch {batch:,} does not fit in the {spec.name}'s {spec.memory_bytes / 1e9:.0f} GB "
+                       f"(at most {fits:,} images of {setup.cfg.image_size} px; docs/planner.md)")
     steps_total = train_s = eval_s = trained = 0.0
     evals = math.ceil(epochs / setup.cfg.eval_every) if setup.cfg.eval_every else 1
     terms = []
@@ -223,6 +260,7 @@ def plan(setup: Setup, gpus: int) -> dict:
     row = {"gpus": gpus, "nodes": nodes, "per_gpu_batch": first["per_gpu_batch"], "global_batch": first["global_batch"],
            "compute_s": first["compute_s"], "comm_s": first["comm_s"], "comm_total_s": first["comm_total_s"],
            "optimizer_s": first["optimizer_s"], "step_s": first["step_s"], "input_bound": first["input_bound"],
+           "peak_bound": first["peak_bound"], "nccl_algorithm": first["nccl_algorithm"],
            "img_per_s": trained / train_s, "img_per_s_per_gpu": trained / train_s / gpus, "epochs": epochs,
            "epochs_source": epochs_source, "steps": steps_total, "evals": evals, "eval_s": eval_s,
            "startup_s": setup.startup_s, "train_s": train_s, "time_to_train_s": time_to_train, "flops": flops,
