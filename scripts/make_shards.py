@@ -33,10 +33,12 @@ def check_folders(src: str, out: str) -> None:
     if not Path(src).is_dir():
         raise DataError(f"--src {src} is no folder; pass the ImageFolder tree to shard (train/<class>/*, val/<class>/*)")
     src_real, out_real = Path(os.path.realpath(src)), Path(os.path.realpath(out))
-    inside = [src_real / split for split in ("train", "val") if out_real.is_relative_to(src_real / split)]
-    if out_real == src_real or inside:
-        where = f"its {inside[0].name}/ folder, where it would become a class" if inside else "the tree itself"
-        raise DataError(f"--out {out} is {where} of --src {src}; pass an --out outside the tree's splits")
+    if out_real == src_real:
+        raise DataError(f"--out {out} is --src itself; pass another folder for the shards")
+    for split in ("train", "val"):
+        if out_real.is_relative_to(src_real / split):
+            raise DataError(f"--out {out} is inside --src's {split}/ folder, where it would become a class; "
+                            "pass an --out outside the tree's train/ and val/")
 
 
 def main() -> int:
