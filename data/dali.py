@@ -88,11 +88,11 @@ def _parallel_source(fn, types, reader: TrainReader, workers: int):
 class DaliLoader(FileLoader):
     def __init__(self, cfg, classes, rank, world_size, device):
         try:
-            from nvidia.dali import fn, pipeline_def, types
+            from nvidia.dali import fn, math as dali_math, pipeline_def, types
         except ImportError as err:
             raise DataError(f"--loader dali needs NVIDIA DALI ({err}); run scripts/setup.sh or use --loader torch")
         super().__init__(cfg, classes, rank, world_size)
-        self.fn, self.types, self.device, self.cfg, self.rank = fn, types, device, cfg, rank
+        self.fn, self.types, self.dali_math, self.device, self.cfg, self.rank = fn, types, dali_math, device, cfg, rank
         gpu = device.type == "cuda"
         self.pipeline_kwargs = dict(num_threads=max(1, cfg.workers), device_id=device.index if gpu else None,
                                     prefetch_queue_depth=BATCHES_AHEAD)
@@ -124,18 +124,42 @@ class DaliLoader(FileLoader):
 
     def _train_transform(self, jpegs):
         fn, types, cfg = self.fn, self.types, self.cfg
+        # no EXIF rotation: the torch loader (and PIL) read the pixels as stored
         images = fn.decoders.image_random_crop(jpegs, device=self.decode_device, output_type=types.RGB,
-                                               random_area=[cfg.crop_min_scale, cfg.crop_max_scale],
+                                               adjust_orientation=False, random_area=[cfg.crop_min_scale, cfg.crop_max_scale],
                                                random_aspect_ratio=[cfg.crop_min_aspect, cfg.crop_max_aspect],
                                                num_attempts=100)
         images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, antialias=True)
         return self._normalise(images, mirror=fn.random.coin_flip())
 
     def _eval_transform(self, jpegs):
-        fn, types, cfg = self.fn, self.types, self.cfg
-        images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB)
-        images = fn.resize(images, resize_shorter=round(cfg.image_size / EVAL_CROP_FRACTION), antialias=True)
-        return self._normalise(images, crop=(cfg.image_size, cfg.image_size))
+        """The torch loader's evaluation transform, box for box (data/loaders.py eval_geometry): DALI's
+        own resize_shorter rounds the longer side where torchvision truncates it, and its centre crop
+        rounds half a margin up where torchvision rounds it to even, each shifting the crop by half a
+        pixel or one. Decoded as the torch loader decodes (no EXIF rotation, libjpeg-turbo's chroma
+        upsampling also on the GPU)."""
+        fn, types, size = self.fn, self.types, self.cfg.image_size
+        images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB, adjust_orientation=False,
+                                   jpeg_fancy_upsampling=True)
+        height, width, top, left = self._eval_geometry(jpegs)
+        images = fn.resize(images, resize_y=fn.cast(height, dtype=types.FLOAT), resize_x=fn.cast(width, dtype=types.FLOAT),
+                           antialias=True)
+        # the crop's corner as the fraction of the margin DALI takes; it rounds that back to the same pixel
+        return self._normalise(images, crop=(size, size), crop_pos_y=top / self.dali_math.max(height - size, 1),
+                               crop_pos_x=left / self.dali_math.max(width - size, 1))
+
+    def _eval_geometry(self, jpegs):
+        """eval_geometry in DALI's arithmetic, per sample from the encoded image's header."""
+        shape = self.fn.peek_image_shape(jpegs, adjust_orientation=False)
+        height, width, size = shape[0], shape[1], self.cfg.image_size
+        shorter, short = self.dali_math.min(height, width), round(size / EVAL_CROP_FRACTION)
+        height, width = short * height // shorter, short * width // shorter
+
+        def corner(extent):  # half the margin, rounded half to even: (margin + (half % 2)) // 2
+            margin = extent - size
+            half = margin // 2
+            return (margin + half - half // 2 * 2) // 2
+        return height, width, corner(height), corner(width)
 
     def _normalise(self, images, **crop_or_mirror):
         """(x - mean) / std in the batch's type, HWC; with a centre crop or a random mirror."""

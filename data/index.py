@@ -14,6 +14,7 @@ index is built again; so is an index built within a second of a folder's last ch
 is read-only, in the trainer's cache folder; scripts/prepare_imagenet.py writes it once, otherwise
 the first run that lists the split does.
 """
+import contextlib
 import hashlib
 import os
 import time
@@ -124,5 +125,6 @@ def _write(index: SampleIndex, split_dir: Path, classes: list[str], dirs: list[s
                 np.savez(f, **arrays)
             os.replace(staging, path)
             return
-        except OSError:
-            staging.unlink(missing_ok=True)
+        except OSError:  # read-only (EROFS) or not ours (EACCES): the next place
+            with contextlib.suppress(OSError):  # on a read-only mount even removing a file never made fails
+                staging.unlink(missing_ok=True)

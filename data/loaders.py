@@ -43,6 +43,15 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre crop
 
 
+def eval_geometry(height: int, width: int, size: int) -> tuple[int, int, int, int]:
+    """The evaluation transform's boxes for a height x width image, torchvision's Resize(round(size /
+    0.875)) + CenterCrop(size): the resized (height, width), the shorter side round(size / 0.875) and
+    the longer one truncated, then the top-left corner of the centred crop, half of each margin rounded
+    half to even. Both loaders use these boxes (data/dali.py computes them in its graph)."""
+    shorter, short = min(height, width), round(size / EVAL_CROP_FRACTION)
+    height, width = short * height // shorter, short * width // shorter  # int(short * long / shorter)
+    return height, width, round((height - size) / 2), round((width - size) / 2)
+
 
 class Loader:
     """Sizes plus two iterators of device batches, and a tally of unreadable files skipped."""

@@ -5,9 +5,14 @@ listing "<ext> <data offset> <size> <member name>" for each of its members. DALI
 fn.readers.webdataset takes it as index_paths, and the torch loader uses it for random access.
 Shards hold the samples the trainer lists for the tree (data/loaders.py list_samples), in its order,
 with fixed member metadata, so the same tree always gives byte-identical shards. classes.txt beside
-the splits names the classes, one per line in UTF-8 (a name may hold spaces).
+the splits names the classes, one per line in UTF-8 (a name may hold spaces). Beside each shard,
+shard-NNNNNN.names lists the source file of each of its samples (one JSON string a line, absolute
+paths as they were when the shards were written), so that a file the loaders skip is named as the
+user knows it, not as a shard member; shards written without it are named by member.
 """
+import bisect
 import io
+import json
 import os
 import re
 import shutil
@@ -17,7 +22,7 @@ from pathlib import Path
 from data.tree import DataError, check_tree, list_samples, write_classes
 
 INDEX_VERSION = "v1.2"
-_SHARD_FILE = re.compile(r"shard-\d{6}\.(tar|idx|tar\.partial)")  # what write_shards writes (.partial: older versions)
+_SHARD_FILE = re.compile(r"shard-\d{6}\.(tar|idx|names|tar\.partial)")  # what write_shards writes (.partial: older versions)
 
 
 def _member(tar: tarfile.TarFile, name: str, payload: bytes) -> tuple[int, int]:
@@ -42,11 +47,23 @@ def _holds_only_shards(out: Path) -> bool:
     return True
 
 
+def _is_mount_point(folder: Path) -> bool:
+    """Also a bind mount within one filesystem, which os.path.ismount misses (same device as its parent)."""
+    if os.path.ismount(folder):
+        return True
+    try:
+        with open("/proc/self/mountinfo", "rb") as mounts:  # field 5: the mount point, with \NNN octal escapes
+            points = {re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m[1], 8)]), line.split()[4]) for line in mounts}
+    except OSError:  # not Linux
+        return False
+    return os.fsencode(os.path.realpath(folder)) in points
+
+
 def _write_split(samples: list[tuple[str, int]], split_dir: Path, shard_size: int, unreadable: list[str]) -> None:
     split_dir.mkdir()
     for first in range(0, len(samples), shard_size):
         stem = split_dir / f"shard-{first // shard_size:06d}"
-        lines = []
+        lines, names = [], []
         with tarfile.open(f"{stem}.tar", "w", format=tarfile.USTAR_FORMAT) as tar:
             for number, (path, label) in enumerate(samples[first:first + shard_size], start=first):
                 try:
@@ -58,7 +75,9 @@ def _write_split(samples: list[tuple[str, int]], split_dir: Path, shard_size: in
                 jpg = _member(tar, f"{key}.jpg", payload)
                 cls = _member(tar, f"{key}.cls", str(label).encode())
                 lines.append(f"jpg {jpg[0]} {jpg[1]} {key}.jpg cls {cls[0]} {cls[1]} {key}.cls")
+                names.append(json.dumps(os.path.abspath(path)))
         Path(f"{stem}.idx").write_text(f"{INDEX_VERSION} {len(lines)}\n" + "\n".join(lines) + "\n")
+        Path(f"{stem}.names").write_text("\n".join(names) + "\n", encoding="utf-8")
 
 
 def write_shards(tree: Path, out: Path, shard_size: int = 1000) -> dict:
@@ -71,9 +90,16 @@ def write_shards(tree: Path, out: Path, shard_size: int = 1000) -> dict:
         raise DataError(f"a class folder name in {tree / 'train'} holds a line break; classes.txt cannot list it")
     if out.is_symlink() or (out.exists() and not (out.is_dir() and _holds_only_shards(out))):
         raise DataError(f"{out} exists and holds more than shards; pass a new folder or one of shards to replace")
+    if _is_mount_point(out):
+        raise DataError(f"{out} is a mount point; a new set is written beside it and renamed into place, "
+                        "so pass a folder inside it")
     new, old = out.with_name(f".{out.name}.partial"), out.with_name(f".{out.name}.old")
     shutil.rmtree(new, ignore_errors=True)  # left by a run that was killed
-    new.mkdir(parents=True)
+    try:
+        new.mkdir(parents=True)
+    except OSError as err:  # a read-only folder (EROFS) or another user's (EACCES): nothing written yet
+        raise DataError(f"cannot write shards into {out.parent} ({err.strerror}); pass an --out in a folder "
+                        "you can write") from err
     counts = {"unreadable": []}
     try:
         for split in ("train", "val"):
@@ -111,13 +137,25 @@ class ShardSamples:
 
     def __init__(self, split_dir: Path):
         self.tars = sorted(Path(split_dir).glob("*.tar"))
-        self.entries = [(t, sample) for t in self.tars for sample in read_index(t)]
+        self.entries, self.firsts = [], []  # firsts: each shard's first index
+        for tar in self.tars:
+            self.firsts.append(len(self.entries))
+            self.entries += [(tar, sample) for sample in read_index(tar)]
 
     def __len__(self) -> int:
         return len(self.entries)
 
     def name(self, index: int) -> str:
-        tar, sample = self.entries[index]
+        """The sample's source file (from the shard's .names), else its member in the shard."""
+        tar, _ = self.entries[index]
+        within = index - self.firsts[bisect.bisect_right(self.firsts, index) - 1]
+        try:
+            with open(Path(tar).with_suffix(".names"), encoding="utf-8") as names:
+                for number, line in enumerate(names):
+                    if number == within:
+                        return f"{json.loads(line)} (in {Path(tar).name})"
+        except (OSError, ValueError):  # shards written before .names, or a damaged one
+            pass
         return f"{tar}:{index:06d}.jpg"
 
     def read(self, index: int) -> tuple[bytes, int]:

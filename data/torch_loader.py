@@ -22,7 +22,7 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from data.decode import BadImage, Encoded
-from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, FileLoader
+from data.loaders import IMAGENET_MEAN, IMAGENET_STD, FileLoader, eval_geometry
 from data.sources import first_readable
 
 BATCHES_IN_FLIGHT = 2  # the batch being consumed plus one being filled
@@ -71,8 +71,9 @@ class EvalCrop:
         self.size = size
 
     def __call__(self, image: Encoded, seed=None) -> torch.Tensor:
-        pixels = TF.resize(image.region().permute(2, 0, 1), [round(self.size / EVAL_CROP_FRACTION)], antialias=True)
-        return TF.center_crop(pixels, [self.size])
+        height, width, top, left = eval_geometry(image.height, image.width, self.size)
+        pixels = TF.resize(image.region().permute(2, 0, 1), [height, width], antialias=True)
+        return pixels[:, top:top + self.size, left:left + self.size]
 
 
 def decoded(source, index: int, crop, seed=None) -> tuple[torch.Tensor, int]:

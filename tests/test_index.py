@@ -3,6 +3,8 @@ rebuilt when the tree changes, and never able to run code."""
 import json
 import os
 import shutil
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -12,7 +14,8 @@ import data.index
 from data.embedded import ensure_embedded
 from data.index import load_samples
 from data.tree import check_tree, list_samples
-from helpers import REPO, launch
+from helpers import REPO, child_env, launch
+from helpers.read_only import KINDS, as_unprivileged, unwritable
 
 
 @pytest.fixture
@@ -118,3 +121,34 @@ def test_every_rank_reads_the_index_and_none_walks(tree, tmp_path):
     ranks = [json.loads(open(f"{out}.{rank}").read()) for rank in (0, 1)]
     expected = list_samples(root / "train", classes)
     assert all(r["train"] == 30 and r["val"] == 20 and tuple(r["first"]) == expected[0] for r in ranks)
+
+
+START_UP = """
+import json, sys
+import torch
+from data.loaders import LoaderSettings
+from data.torch_loader import TorchLoader
+from data.tree import check_tree
+loader = TorchLoader(LoaderSettings(data_dir=sys.argv[1], image_size=16, batch_size=4, workers=1),
+                     check_tree(sys.argv[1]), 0, 1, torch.device("cpu"))
+print(json.dumps(dict(train=loader.train_images, val=loader.val_images, batch=len(next(loader.val_batches())[1]))))
+"""
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_read_only_data_folder_starts_with_its_index_in_the_cache(kind, tree, tmp_path, monkeypatch):
+    """Start-up on data it may not write, a read-only mount (EROFS) or a folder without write
+    permission (EACCES): the loader starts, the index goes to the cache folder, and the next start
+    reads it there without a walk."""
+    root, classes = tree
+    cache = tmp_path / "cache"
+    with unwritable(kind, root):
+        result = subprocess.run(as_unprivileged([sys.executable, "-c", START_UP, str(root)]), capture_output=True,
+                                text=True, env=child_env(TRAINER_CACHE_DIR=str(cache)))
+        assert result.returncode == 0, result.stderr[-2000:]
+        assert json.loads(result.stdout) == dict(train=30, val=20, batch=4)
+        assert not [p.name for p in root.iterdir() if p.name.startswith(".index")]  # nothing written there
+        assert [len(list((cache / "index").glob(f"*-{split}.npz"))) for split in ("train", "val")] == [1, 1]
+        monkeypatch.setenv("TRAINER_CACHE_DIR", str(cache))
+        calls = walks(monkeypatch)
+        assert len(load_samples(root / "train", classes)) == 30 and calls == []  # the cache's index

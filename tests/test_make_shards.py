@@ -12,6 +12,7 @@ from PIL import Image
 
 import data.shards as shards_module
 from helpers import REPO
+from helpers.read_only import KINDS, as_unprivileged, unwritable
 from data.sources import FolderSource
 from data.tree import check_tree
 from data.shards import ShardSamples, write_shards
@@ -34,9 +35,14 @@ def clean_tree(root: Path, classes=("a", "b"), train_per_class=5) -> Path:
     return root
 
 
-def make_shards(src, out, shard_size) -> subprocess.CompletedProcess:
+def make_shards(src, out, shard_size, **run) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, str(REPO / "scripts" / "make_shards.py"), "--src", str(src), "--out", str(out),
-                           "--shard-size", str(shard_size)], capture_output=True, text=True)
+                           "--shard-size", str(shard_size)], capture_output=True, text=True, **run)
+
+
+def refused(result: subprocess.CompletedProcess) -> bool:
+    """make_shards' answer to bad input: one line, exit 2."""
+    return result.returncode == 2 and result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1
 
 
 @pytest.fixture(scope="module")
@@ -119,7 +125,7 @@ def test_rewriting_replaces_the_whole_set_of_shards(tmp_path):
     result = make_shards(tree, tmp_path / "shards", 8)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "shards" / "train").iterdir()) == \
-        ["shard-000000.idx", "shard-000000.tar", "shard-000001.idx", "shard-000001.tar"]
+        [f"shard-00000{i}.{ext}" for i in (0, 1) for ext in ("idx", "names", "tar")]
     assert len(ShardSamples(tmp_path / "shards" / "train")) == 14
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "tree"]  # no sibling left behind
 
@@ -170,3 +176,53 @@ def test_a_rewrite_stopped_between_the_two_renames_puts_the_old_set_back(tmp_pat
     monkeypatch.undo()
     assert {p: p.read_bytes() for p in (tmp_path / "shards").rglob("*") if p.is_file()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "tree"]
+
+
+def test_skipped_files_of_shards_are_named_by_their_source_file(messy_tree, tmp_path):
+    write_shards(messy_tree, tmp_path / "shards", 5)
+    names = {}
+    for root in (messy_tree, tmp_path / "shards"):
+        loader = TorchLoader(Config(data_dir=str(root), image_size=16, batch_size=4, workers=1, seed=3),
+                             check_tree(str(root)), 0, 1, torch.device("cpu"))
+        list(loader.train_batches(epoch=0))
+        names[root] = loader.take_skipped()[1]
+    from_tree, from_shards = names[messy_tree], names[tmp_path / "shards"]
+    assert sorted(Path(n).name for n in from_tree) == ["broken.JPEG", "zero.JPEG"]
+    assert len(from_shards) == 2
+    for name in from_shards:  # the tree's path, then the shard that holds it
+        source, shard = name.split(" (in ")
+        assert source in from_tree and shard.startswith("shard-") and shard.endswith(".tar)")
+
+
+def test_source_and_output_folders_are_checked_first(tmp_path):
+    tree = clean_tree(tmp_path / "tree")
+    missing = make_shards(tmp_path / "none", tmp_path / "out", 4)
+    assert refused(missing) and "--src" in missing.stderr and "--data-dir" not in missing.stderr
+    before = sorted(tree.rglob("*"))
+    for out in (tree, tree / "train" / "shards", tree / "val", tree / "val" / "x" / "y"):
+        result = make_shards(tree, out, 4)
+        assert refused(result) and "--out" in result.stderr, (out, result.stderr)
+    link = tmp_path / "link"
+    link.symlink_to(tree / "train")
+    assert refused(make_shards(tree, link / "shards", 4))  # inside train/ through a link
+    assert sorted(tree.rglob("*")) == before and not (tmp_path / "out").exists()
+    beside = make_shards(tree, tree / "shards", 4)  # prepare_imagenet.py's layout: outside the splits
+    assert beside.returncode == 0, beside.stderr
+    assert check_tree(str(tree)) == ["a", "b"] and check_tree(str(tree / "shards")) == ["a", "b"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_an_output_folder_that_cannot_be_written_is_one_line(kind, tmp_path):
+    """A read-only mount (EROFS) or a folder without write permission (EACCES), as --out, as a folder
+    inside it, and as the folder the new set would be written beside."""
+    tree = clean_tree(tmp_path / "tree")
+    locked = tmp_path / "locked"
+    (locked / "inside").mkdir(parents=True)
+    command = [sys.executable, str(REPO / "scripts" / "make_shards.py"), "--src", str(tree), "--shard-size", "4"]
+    with unwritable(kind, locked):
+        for out in (locked / "shards", locked / "deeper" / "shards", locked / "inside"):
+            result = subprocess.run(as_unprivileged([*command, "--out", str(out)]), capture_output=True, text=True)
+            assert refused(result) and str(out.parent) in result.stderr, (out, result.stderr)
+        if kind == "read-only mount":  # the mount point itself: the new set could never be renamed into place
+            assert refused(make_shards(tree, locked, 4))
+    assert [p.name for p in locked.rglob("*")] == ["inside"] and sorted(p.name for p in tmp_path.iterdir()) == ["locked", "tree"]
