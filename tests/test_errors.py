@@ -186,6 +186,7 @@ SYNTHETIC = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, 
     (["--lr-schedule", "multistep", "--lr-decay-epochs", "30,x"], "is not a list of epochs"),
     (["--optimizer", "sgd", "--nesterov", "--momentum", 0], "--nesterov needs a positive --momentum"),
     (["--division", "closed", "--batch-schedule", "1:16"], "not allowed in the MLPerf closed division"),
+    (["--target-accuracy", 75.9], "--target-accuracy 75.9 is a percentage; give the fraction 0.759"),
 ])
 def test_bad_recipe_settings(tmp_path, flags, match):
     expect_usage_error(tmp_path, *SYNTHETIC, *flags, match=match)

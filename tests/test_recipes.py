@@ -6,8 +6,9 @@ import math
 import pytest
 
 from helpers import run_train
-from train.config import Config, parse
-from train.recipe import recipe
+from data.embedded import ensure_embedded
+from train.config import Config, UsageError, parse
+from train.recipe import recipe, show_recipe
 from train.schedule import EpochClock, SgdShareRamp, build_schedule
 
 END_LR = 1e-4
@@ -33,6 +34,51 @@ def test_show_recipe_prints_one_json_object_and_trains_nothing(tmp_path):
     assert shown["config"]["global_batch_size"] == 8192 and len(shown["epochs"]) == 90
     assert set(shown["epochs"][0]) == {"epoch", "global_batch", "lr_first", "lr_last", "augment"}
     assert list(tmp_path.iterdir()) == []  # no run directory
+
+
+def test_the_smoke_recipe_counts_the_embedded_dataset_the_run_trains_on():
+    r = show("smoke")
+    images = len(list((ensure_embedded() / "train").rglob("*.JPEG")))  # the dataset a run without --data-dir uses
+    assert r["train_images"] == images == 1000 and "embedded" in r["train_images_source"]
+    steps = 1000 // 64  # smoke: global batch 64, LR 4.0, 2 warmup epochs; warmup step k: 4.0 x k / (2 x steps)
+    assert r["epochs"][0]["lr_first"] == pytest.approx(4.0 * 1 / (2 * steps))
+    assert r["epochs"][1]["lr_last"] == pytest.approx(4.0)
+
+
+def test_a_recipe_counts_the_data_it_is_given(tmp_path):
+    source = sorted((ensure_embedded() / "train" / "red_hstripes").iterdir())[:3]
+    for split in ("train", "val"):
+        for cls in ("a", "b"):
+            (tmp_path / split / cls).mkdir(parents=True)
+            for f in source:
+                (tmp_path / split / cls / f.name).write_bytes(f.read_bytes())
+    r = recipe(parse(["--data-dir", str(tmp_path), "--global-batch-size", "2", "--epochs", "4", "--lr", "1",
+                      "--warmup-epochs", "1", "--show-recipe"]))
+    assert r["train_images"] == 6 and str(tmp_path) in r["train_images_source"]
+    assert r["epochs"][0]["lr_first"] == pytest.approx(1 / 3)  # 6 // 2 = 3 steps in the warmup epoch
+    synthetic = recipe(parse(["--loader", "synthetic", "--synthetic-images", "640", "--show-recipe"]))
+    assert synthetic["train_images"] == 640 and synthetic["train_images_source"] == "--synthetic-images"
+
+
+def test_a_preset_too_big_for_the_embedded_dataset_is_counted_on_imagenet():
+    r = show("nvidia-mlperf40-8gpu")
+    assert r["train_images"] == 1_281_167 and r["train_images_source"].startswith("ImageNet's")
+
+
+def test_show_recipe_makes_the_checks_a_run_makes(tmp_path):
+    with pytest.raises(UsageError, match="--bn-group-size 3 does not divide the per-rank batch 8"):
+        recipe(parse(["--loader", "synthetic", "--synthetic-images", "32", "--global-batch-size", "8",
+                      "--bn-group-size", "3", "--show-recipe"]))
+    result = run_train("--show-recipe", "--lr", "inf", cwd=tmp_path)
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and result.stdout == "" and lines == ["error: --lr must be a finite number, got inf"]
+
+
+def test_show_recipe_prints_strict_json_or_nothing(capsys):
+    """A NaN or an infinity is no JSON: a settings object that skipped validation fails loudly instead."""
+    with pytest.raises(ValueError):
+        show_recipe(Config(lr=math.inf, warmup_epochs=1, global_batch_size=64, epochs=2))
+    assert capsys.readouterr().out == ""
 
 
 def test_goyal_2017():

@@ -8,7 +8,9 @@ of a YAML file shipped in train/presets/ or a path to one.
 import argparse
 import dataclasses
 import importlib.util
+import math
 import os
+import textwrap
 from dataclasses import dataclass, field, fields
 from importlib import resources
 from pathlib import Path
@@ -182,14 +184,23 @@ def choices() -> dict[str, tuple]:
             "division": ("open", "closed")}
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    def _split_lines(self, text, width):  # names like mlperf-bs1632 stay whole on one line
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m train", description="Train a ResNet on ImageNet-layout data.",
-                argument_default=argparse.SUPPRESS)
-    named = choices()
+                argument_default=argparse.SUPPRESS, formatter_class=_HelpFormatter)
+    named = {**choices(), "preset": tuple(preset_names())}
     for f in FIELDS.values():
         flag = "--" + f.name.replace("_", "-")
-        one_of = f"; one of {', '.join(named[f.name])}" if f.name in named else ""
-        help_text = f.metadata.get("help", "") + one_of + f" (default: {f.default!r})"
+        help_text = f.metadata.get("help", "")
+        if "default:" not in help_text:  # a help that says its default in its own words keeps only that
+            help_text += f" (default: {f.default!r})"
+        if f.name in named:  # the names go before the default
+            body, said, default = help_text.partition(" (default:")
+            help_text = f"{body}; one of {', '.join(named[f.name])}{said}{default}"
         if f.type is bool:
             p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         else:
@@ -250,50 +261,88 @@ def parse(argv: list[str]) -> Config:
     return validate(Config(**values))
 
 
+# The values each number setting may take: (test, what the refusal says it must be). A float must be
+# finite as well; every int and float field has an entry (tests/test_validation.py checks).
+ZERO_OR_MORE = (lambda v: v >= 0, "0 or more")
+AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+ABOVE_0 = (lambda v: v > 0, "more than 0")
+BELOW_1 = (lambda v: 0 <= v < 1, "in [0, 1)")
+BOUNDS = {
+    "workers": ZERO_OR_MORE, "image_size": (lambda v: v >= 16, "at least 16"),
+    "crop_min_scale": (lambda v: 0 < v <= 1, "in (0, 1]"), "crop_max_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "crop_min_aspect": ABOVE_0, "crop_max_aspect": ABOVE_0,
+    "synthetic_images": AT_LEAST_1, "synthetic_val_images": AT_LEAST_1, "synthetic_classes": AT_LEAST_1,
+    "num_classes": ZERO_OR_MORE, "bn_group_size": ZERO_OR_MORE, "bn_recompute_batches": ZERO_OR_MORE,
+    "batch_size": (lambda v: v >= 0, "positive"), "global_batch_size": (lambda v: v >= 0, "positive"),
+    "epochs": (lambda v: v >= 1, "positive"), "lr": ZERO_OR_MORE, "lr_per_256": ZERO_OR_MORE,
+    "warmup_epochs": (lambda v: v >= 0 or v == -1, "0 or more (-1: chosen from the global batch)"),
+    "end_lr": ZERO_OR_MORE, "lr_decay_power": ZERO_OR_MORE, "warmup_start_lr": ZERO_OR_MORE,
+    "lr_decay_factor": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "sgd_share_center": ZERO_OR_MORE, "sgd_share_width": ZERO_OR_MORE, "rmsprop_lr_ratio": ZERO_OR_MORE,
+    "rmsprop_alpha": BELOW_1, "rmsprop_epsilon": ABOVE_0,
+    "momentum": BELOW_1, "weight_decay": ZERO_OR_MORE, "lars_eta": ABOVE_0, "lars_epsilon": ZERO_OR_MORE,
+    "label_smoothing": BELOW_1, "augment_off_epoch": ZERO_OR_MORE, "eval_every": ZERO_OR_MORE,
+    "eval_offset": ZERO_OR_MORE, "target_accuracy": (lambda v: 0 <= v <= 1, "a fraction in (0, 1] (0: run all epochs)"),
+    "ranks_per_node": ZERO_OR_MORE, "torus_rows": ZERO_OR_MORE, "bn_span": AT_LEAST_1, "stop_check_every": AT_LEAST_1,
+    "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32)"), "max_steps": ZERO_OR_MORE, "log_every": AT_LEAST_1,
+    "checkpoint_every": AT_LEAST_1, "checkpoint_every_steps": ZERO_OR_MORE, "checkpoint_every_minutes": ZERO_OR_MORE,
+    "commit_every": AT_LEAST_1, "max_bad_steps": AT_LEAST_1,
+}
+
+
 def validate(cfg: Config) -> Config:
-    def need(ok: bool, message: str):
-        if not ok:
-            raise UsageError(message)
-    need(cfg.batch_size >= 0, f"--batch-size must be positive, got {cfg.batch_size}")
-    need(cfg.global_batch_size >= 0, f"--global-batch-size must be positive, got {cfg.global_batch_size}")
-    need(cfg.epochs > 0, f"--epochs must be positive, got {cfg.epochs}")
-    need(cfg.image_size >= 16, f"--image-size must be at least 16, got {cfg.image_size}")
-    need(cfg.num_classes >= 0, f"--num-classes must be 0 or more, got {cfg.num_classes}")
-    need(cfg.workers >= 0, f"--workers must be 0 or more, got {cfg.workers}")
+    """Each setting alone (numbers in range, names known, schedules readable), then the combinations."""
+    _check_numbers(cfg)
+    _check_names_and_schedules(cfg)
+    _check_combinations(cfg)
+    return cfg
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise UsageError(message)
+
+
+def _check_numbers(cfg: Config) -> None:
+    for name, (test, wording) in BOUNDS.items():
+        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+        if FIELDS[name].type is float:
+            _need(math.isfinite(value), f"{flag} must be a finite number, got {value}")
+        if name == "target_accuracy" and 1 < value <= 100:  # 75.9 would never be reached: top-1 is a fraction
+            raise UsageError(f"--target-accuracy {value:g} is a percentage; give the fraction {value / 100:g}")
+        _need(test(value), f"{flag} must be {wording}, got {value}")
+    _need(cfg.crop_min_scale <= cfg.crop_max_scale, "--crop-min-scale must not be above --crop-max-scale")
+    _need(cfg.crop_min_aspect <= cfg.crop_max_aspect, "--crop-min-aspect must not be above --crop-max-aspect")
+
+
+def _check_names_and_schedules(cfg: Config) -> None:
+    """Names and the schedule texts read alone, before any rule that combines settings."""
     for name, names in choices().items():
         value = getattr(cfg, name)
-        need(value in names, f"unknown --{name.replace('_', '-')} {value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
-    need(cfg.bn_span >= 1 and cfg.ranks_per_node >= 0 and cfg.stop_check_every >= 1,
-         "--bn-span and --stop-check-every must be at least 1, --ranks-per-node at least 0")
-    need(0 < cfg.crop_min_scale <= cfg.crop_max_scale <= 1, "--crop-min-scale and --crop-max-scale must satisfy 0 < min <= max <= 1")
-    need(0 < cfg.crop_min_aspect <= cfg.crop_max_aspect, "--crop-min-aspect and --crop-max-aspect must satisfy 0 < min <= max")
-    need(0 <= cfg.label_smoothing < 1, f"--label-smoothing must be in [0, 1), got {cfg.label_smoothing}")
-    need(cfg.lr >= 0 and cfg.lr_per_256 >= 0, "learning rates must not be negative")
-    need(cfg.warmup_epochs >= 0 or cfg.warmup_epochs == -1, "--warmup-epochs must be 0 or more (-1: chosen from the global batch)")
-    need(cfg.eval_every >= 0 and cfg.eval_offset >= 0, "--eval-every and --eval-offset must not be negative")
-    need(cfg.max_steps >= 0, f"--max-steps must not be negative, got {cfg.max_steps}")
-    need(cfg.log_every > 0 and cfg.checkpoint_every > 0, "--log-every and --checkpoint-every must be positive")
-    need(cfg.commit_every >= 1, f"--commit-every must be at least 1, got {cfg.commit_every}")
-    need(cfg.checkpoint_every_steps >= 0 and cfg.checkpoint_every_minutes >= 0,
-         "--checkpoint-every-steps and --checkpoint-every-minutes must not be negative")
-    need(cfg.bn_group_size >= 0 and cfg.bn_recompute_batches >= 0 and cfg.torus_rows >= 0 and cfg.augment_off_epoch >= 0,
-         "--bn-group-size, --bn-recompute-batches, --torus-rows and --augment-off-epoch must not be negative")
-    need(not (cfg.nesterov and cfg.momentum <= 0), "--nesterov needs a positive --momentum")
-    need(not cfg.lars_compile or cfg.optimizer == "lars", "--lars-compile needs --optimizer lars")
-    need(cfg.division == "open" or (not cfg.batch_schedule and cfg.optimizer in ("lars", "sgd")
-                                    and cfg.lr_schedule == "warmup-poly"),
-         "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "
-         "MLPerf closed division; use --division open")
+        _need(value in names, f"unknown --{name.replace('_', '-')} {value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
     from train.schedule import batch_changes, decay_epochs, lr_phases
     try:
-        batch_changes(cfg.batch_schedule)
+        changes = batch_changes(cfg.batch_schedule)
         if cfg.lr_schedule == "multistep":
             decay_epochs(cfg.lr_decay_epochs)
-        if cfg.lr_schedule == "phases":
-            lr_phases(cfg.lr_phases)
+        phases = lr_phases(cfg.lr_phases) if cfg.lr_schedule == "phases" else []
     except ValueError as err:
         raise UsageError(str(err)) from None
-    return cfg
+    _need(all(math.isfinite(number) for phase in phases for number in phase),
+          f"--lr-phases {cfg.lr_phases!r}: give finite numbers, e.g. '40:0.5,30:0.075'")
+    late = [epoch for epoch, _ in changes if epoch >= cfg.epochs]
+    if late:  # a change after the last epoch would never happen
+        raise UsageError(f"--batch-schedule {cfg.batch_schedule!r}: a change after epoch {late[0]} never happens in "
+                         f"a {cfg.epochs}-epoch run; give epochs below --epochs {cfg.epochs}")
+
+
+def _check_combinations(cfg: Config) -> None:
+    _need(not (cfg.nesterov and cfg.momentum <= 0), "--nesterov needs a positive --momentum")
+    _need(not cfg.lars_compile or cfg.optimizer == "lars", "--lars-compile needs --optimizer lars")
+    _need(cfg.division == "open" or (not cfg.batch_schedule and cfg.optimizer in ("lars", "sgd")
+                                     and cfg.lr_schedule == "warmup-poly"),
+          "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "
+          "MLPerf closed division; use --division open")
 
 
 def to_dict(cfg: Config) -> dict:

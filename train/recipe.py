@@ -1,32 +1,52 @@
 """`python -m train --preset NAME --show-recipe`: a run's recipe without training it.
 
 One JSON object: `config`, the resolved settings (batch, LR and warmup as the run would choose
-them for this launcher's rank count), and `epochs`, one entry per epoch: `epoch` (from 1),
-`global_batch`, `lr_first` and `lr_last` (the LR of the epoch's first and last optimizer step),
-`augment`, and for a blended optimizer `sgd_share` (its momentum-SGD share at the epoch's first
-step). Steps per epoch come from --data-dir's training images when given, else from ImageNet's.
+them for this launcher's rank count), `train_images` and `train_images_source` (the training-set
+size the epochs are counted over, and where it comes from), and `epochs`, one entry per epoch:
+`epoch` (from 1), `global_batch`, `lr_first` and `lr_last` (the LR of the epoch's first and last
+optimizer step), `augment`, and for a blended optimizer `sgd_share` (its momentum-SGD share at the
+epoch's first step). The settings pass the checks a run's start-up makes of them; those of the
+machine (device, rank count against --bn-span, the run directory) are left to the run.
 """
 import dataclasses
 import json
 from pathlib import Path
 
+from data import embedded
 from data.sources import open_split
 from data.tree import check_tree
 from train.config import Config, UsageError, to_dict
 from train.engines import detect_launch
 from train.rules import batch_sizes, lr_and_warmup
-from train.schedule import EpochClock, build_schedule
+from train.schedule import EpochClock, batch_phases, build_schedule
+from train.startup import check_batch_phases
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
+EMBEDDED_TRAIN_IMAGES = embedded.TRAIN_PER_CLASS * len(embedded.CLASSES)  # the run's default data, not generated here
+
+
+def training_set(cfg: Config) -> tuple[int, str]:
+    """The training images the run would count (its data: --data-dir, the embedded dataset, or
+    synthetic), and where the count comes from."""
+    if cfg.loader == "synthetic":
+        return cfg.synthetic_images, "--synthetic-images"
+    if cfg.data_dir:  # the run's own listing: its index, or a listing that leaves the index for the run
+        return len(open_split(Path(cfg.data_dir), "train", check_tree(cfg.data_dir))), f"--data-dir {cfg.data_dir}"
+    if max(batch for _, batch in batch_phases(cfg)) <= EMBEDDED_TRAIN_IMAGES:
+        return EMBEDDED_TRAIN_IMAGES, "the embedded dataset (no --data-dir)"
+    # a run on the embedded dataset would refuse this batch: the recipe is one for ImageNet
+    return IMAGENET_TRAIN_IMAGES, (f"ImageNet's training set (no --data-dir, and the embedded dataset's "
+                                   f"{EMBEDDED_TRAIN_IMAGES} images are fewer than a global batch)")
 
 
 def recipe(cfg: Config) -> dict:
-    batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, detect_launch().world_size)
+    world_size = detect_launch().world_size
+    batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, world_size)
     cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
     lr, warmup, _ = lr_and_warmup(cfg, global_batch)
     cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup, show_recipe=False)
-    train_images = len(open_split(Path(cfg.data_dir), "train", check_tree(cfg.data_dir))) if cfg.data_dir \
-        else IMAGENET_TRAIN_IMAGES
+    train_images, source = training_set(cfg)
+    check_batch_phases(cfg, world_size, train_images)
     try:
         clock = EpochClock.of(cfg, train_images)
     except ValueError as err:
@@ -41,8 +61,8 @@ def recipe(cfg: Config) -> dict:
         if "sgd_share" in settings:
             entry["sgd_share"] = settings["sgd_share"]
         epochs.append(entry)
-    return {"config": to_dict(cfg), "train_images": train_images, "epochs": epochs}
+    return {"config": to_dict(cfg), "train_images": train_images, "train_images_source": source, "epochs": epochs}
 
 
 def show_recipe(cfg: Config) -> None:
-    print(json.dumps(recipe(cfg)))
+    print(json.dumps(recipe(cfg), allow_nan=False))  # strict JSON: a NaN or an infinity is an error, not output
