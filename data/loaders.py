@@ -31,11 +31,12 @@ class LoaderSettings:
     synthetic_images: int = 1_281_167
     synthetic_val_images: int = 50_000
     synthetic_classes: int = 1000
+    evaluate_only: bool = False  # --test-only: the training split is not read, so its size is not checked
 
     @classmethod
     def of(cls, settings, **changes) -> "LoaderSettings":
         """The loader's settings out of any object that has them as attributes (the run's config)."""
-        return cls(**{**{f.name: getattr(settings, f.name) for f in fields(cls)}, **changes})
+        return cls(**{**{f.name: getattr(settings, f.name, f.default) for f in fields(cls)}, **changes})
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -56,6 +57,7 @@ def eval_geometry(height: int, width: int, size: int) -> tuple[int, int, int, in
 class Loader:
     """Sizes plus two iterators of device batches, and a tally of unreadable files skipped."""
     empty_classes: list[str] = []
+    class_names: list[str] | None = None  # the class folders' names, index by index (None: synthetic data)
     # the positions in the epoch's global order of the training batch handed out last (the loop's
     # ledger: each position once per epoch, whatever the rank count)
     last_positions: range = range(0)
@@ -107,7 +109,8 @@ class FileLoader(Loader):
         root = Path(cfg.data_dir)
         self.train_source, self.val_source = open_split(root, "train", classes), open_split(root, "val", classes)
         self.sampler = TrainBatchSampler(len(self.train_source), cfg.batch_size, rank, world_size, cfg.seed)
-        if len(self.train_source) < self.sampler.global_batch:
+        self.class_names = list(classes)  # (a run records them: --test-only compares a --data-dir's with them)
+        if len(self.train_source) < self.sampler.global_batch and not cfg.evaluate_only:
             raise DataError(f"{root / 'train'} has {len(self.train_source)} images, fewer than one global batch of "
                             f"{self.sampler.global_batch}; lower --batch-size")
         super().__init__(len(classes), len(self.train_source), len(self.val_source),
@@ -131,7 +134,7 @@ class SyntheticLoader(Loader):
     def __init__(self, cfg, rank, world_size, device):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.batch_size, self.global_batch = cfg.batch_size, cfg.batch_size * world_size
-        if cfg.synthetic_images < self.global_batch:
+        if cfg.synthetic_images < self.global_batch and not cfg.evaluate_only:
             raise DataError(f"--synthetic-images {cfg.synthetic_images} is fewer than one global batch of {self.global_batch}")
         super().__init__(cfg.synthetic_classes, cfg.synthetic_images, cfg.synthetic_val_images,
                          cfg.synthetic_images // self.global_batch)

@@ -112,11 +112,20 @@ def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
                     "--log-every", 1, cwd=tmp_path)
     assert bad.returncode == 3, bad.stderr
     message = bad.stderr.strip().splitlines()
-    assert len(message) == 1 and "loss was not finite" in message[0] and "last good checkpoint kept" in message[0]
+    assert len(message) == 1 and "loss was not finite" in message[0], message
+    assert "the last good checkpoint (step 15) is kept" in message[0]
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
     state = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=False)
     assert all(torch.isfinite(t).all() for t in state["model"].values() if t.is_floating_point())
     assert '"status": "aborted"' in (tmp_path / "run" / "mllog.txt").read_text().splitlines()[-1]
+
+
+def test_a_run_diverging_before_its_first_checkpoint_says_there_is_none(tmp_path):
+    bad = run_train("--out-dir", "run", *TINY, "--lr", 1e30, "--max-bad-steps", 2, "--log-every", 1, cwd=tmp_path)
+    message = bad.stderr.strip().splitlines()
+    assert bad.returncode == 3 and len(message) == 1, bad.stderr
+    assert "no checkpoint was written yet" in message[0] and "kept" not in message[0]
+    assert not (tmp_path / "run" / "checkpoint.pt").exists()
 
 
 def test_one_process_refuses_a_bn_span_it_does_not_have(tmp_path):

@@ -28,6 +28,7 @@ class Config:
     data_dir: str = field(default="", metadata={"help": "ImageNet-layout tree (train/<class>/, val/<class>/); empty: the embedded dataset"})
     loader: str = field(default="torch", metadata={"help": "input pipeline"})
     workers: int = field(default=4, metadata={"help": "input threads per rank: the torch loader's decoding threads, DALI's CPU threads"})
+    threads: int = field(default=0, metadata={"help": "compute threads per rank (torch's intra-op threads; 0: OMP_NUM_THREADS if set, else the cores this process may use shared by the ranks on its host, less the loader's --workers, at least 1)"})
     image_size: int = field(default=224, metadata={"help": "training and evaluation crop size in pixels"})
     crop_min_scale: float = field(default=0.08, metadata={"help": "smallest area fraction of random-resized-crop"})
     crop_max_scale: float = field(default=1.0, metadata={"help": "largest area fraction of random-resized-crop"})
@@ -78,7 +79,7 @@ class Config:
     # evaluation
     eval_every: int = field(default=4, metadata={"help": "evaluate every N epochs (0: never)"})
     eval_offset: int = field(default=0, metadata={"help": "evaluate after epoch e when (e + offset) %% eval_every == 0"})
-    target_accuracy: float = field(default=0.0, metadata={"help": "stop once top-1 reaches this (0: run all epochs)"})
+    target_accuracy: float = field(default=0.0, metadata={"help": "stop once top-1, a fraction (0.759 for 75.9 percent), reaches this (0: run all epochs)"})
     # run
     engine: str = field(default="auto", metadata={"help": "auto: from the launcher's environment"})
     allreduce: str = field(default="flat", metadata={"help": "hierarchical: reduce-scatter in the node, all-reduce across nodes, all-gather; torus: the same on a grid of --torus-rows, half of each bucket each way (docs/allreduce.md)"})
@@ -91,13 +92,14 @@ class Config:
     seed: int = field(default=0)
     max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})
     log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
-    tensorboard: bool = field(default=True, metadata={"help": "also write the train, epoch and eval records as TensorBoard scalars into RUN/tensorboard (rank 0; on by default when the tensorboard package is installed)"})
+    tensorboard: bool = field(default=True, metadata={"help": "also write the train, epoch and eval records as TensorBoard scalars into RUN/tensorboard (rank 0) (default: on where the tensorboard package is installed)"})
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
     checkpoint_every_steps: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps, written in the background (0: never)"})
     checkpoint_every_minutes: float = field(default=0.0, metadata={"help": "also checkpoint every M minutes of training (rank 0's clock, agreed by all ranks), written in the background (0: never)"})
     commit_every: int = field(default=50, metadata={"help": "Horovod Elastic: commit the state to host memory every N steps (and at epoch ends); a lost worker costs the steps since"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)"})
     init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint.pt or a torchvision ResNet state_dict file (weights only)"})
+    command_batch_size: int = field(default=0, metadata={"internal": True})  # set by parse: a restart's --batch-size, not taken
     restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
     show_recipe: bool = field(default=False, metadata={"help": "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop"})
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
@@ -251,8 +253,7 @@ def parse(argv: list[str]) -> Config:
         # whatever per-rank batch the command names; the per-rank batch follows from the rank count
         saved = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config").get("global_batch_size")
         if saved:
-            flags.pop("batch_size", None)
-            values.update(batch_size=0, global_batch_size=saved)
+            values.update(batch_size=0, global_batch_size=saved, command_batch_size=flags.pop("batch_size", 0))
     values.update(flags)
     if values.get("tensorboard", True) and importlib.util.find_spec("tensorboard") is None:
         if flags.get("tensorboard"):
@@ -268,7 +269,7 @@ AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
 ABOVE_0 = (lambda v: v > 0, "more than 0")
 BELOW_1 = (lambda v: 0 <= v < 1, "in [0, 1)")
 BOUNDS = {
-    "workers": ZERO_OR_MORE, "image_size": (lambda v: v >= 16, "at least 16"),
+    "workers": ZERO_OR_MORE, "threads": ZERO_OR_MORE, "image_size": (lambda v: v >= 16, "at least 16"),
     "crop_min_scale": (lambda v: 0 < v <= 1, "in (0, 1]"), "crop_max_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "crop_min_aspect": ABOVE_0, "crop_max_aspect": ABOVE_0,
     "synthetic_images": AT_LEAST_1, "synthetic_val_images": AT_LEAST_1, "synthetic_classes": AT_LEAST_1,

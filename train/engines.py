@@ -151,6 +151,7 @@ class _Topology:
 
     def _layout(self, cfg, on_this_host: int) -> None:
         """on_this_host: how many ranks share this rank's host."""
+        self.on_this_host = on_this_host  # (the cores' share: train/startup.py compute_threads)
         self.local_size = cfg.ranks_per_node or on_this_host
         if self.world_size % self.local_size:
             raise UsageError(f"{self.world_size} ranks do not split into nodes of {self.local_size}; "
@@ -162,9 +163,6 @@ class _Topology:
         self.node = self.rank // self.local_size
         self.local_rank = self.rank % self.local_size
         self.nodes = self.world_size // self.local_size
-        if self.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # ranks sharing a host share its cores; oversubscribed threads cost more than they give
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // on_this_host))
 
     def _bn_groups(self, span: int) -> list[list[int]]:
         check_bn_span(span, self.world_size)

@@ -55,6 +55,8 @@ def run(cfg: Config) -> dict:
     try:
         training = Training(dataclasses.replace(cfg, out_dir=str(out_dir)), engine, loader, precision)
         training.lock = lock  # rank 0's (under Horovod Elastic it moves with rank 0: train/elastic.py)
+        # a time-stamped run directory is found again only when named: what a restart must add to the command
+        training.restart_flags = "" if cfg.out_dir else f" with --out-dir {out_dir}"
         return _train(training, init_start_ms, data_dir, note)
     finally:  # the run directory is free for the next job however this one ends (a killed one's lock goes stale)
         lock = training.lock if training else lock
@@ -121,6 +123,7 @@ class Training:
         self.ledger = SampleLedger()
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.lock = None  # rank 0's lock on the run directory (train/runlock.py)
+        self.restart_flags = ""
         self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: checkpoint.reserve)
         if cfg.init_from and not cfg.resume:  # checked at start-up; every rank loads the same weights
             model.load_state_dict(init_weights(cfg))
@@ -147,7 +150,8 @@ class Training:
         s = self.state
         return {"model": self.engine.unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
                 "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
-                "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished, "config": to_dict(self.cfg)}
+                "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished, "config": to_dict(self.cfg),
+                "classes": self.loader.class_names}
 
     def load_state_dict(self, saved: dict, weights: bool = True) -> None:
         if weights:
@@ -167,7 +171,7 @@ class Training:
                   f"{loader.train_images} train / {loader.val_images} val images | {engine.world_size} rank(s) x batch "
                   f"{cfg.batch_size} = global batch {cfg.global_batch_size}{f', then epochs:batch {cfg.batch_schedule}' if cfg.batch_schedule else ''} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
                   f"{cfg.warmup_epochs:g} epochs{f' ({note})' if note else ''} | {self.precision.name} on "
-                  f"{device.type} | {self.out_dir}")
+                  f"{device.type}, {_count(torch.get_num_threads(), 'thread')} | {self.out_dir}")
         self.log.setup(init_start_ms, header, platform=f"{engine.world_size}x{device_name}",
                        train_images=loader.train_images, val_images=loader.val_images,
                        precision=self.precision.name, schedule=self.schedule)
@@ -177,7 +181,13 @@ class Training:
         resumed_at = {"step": s.step, "epoch": s.epoch + s.step_in_epoch / self.clock.steps_in(s.epoch)}
         self.log.run_start(resumed_at if cfg.resume else None)
         self.started = self.last_checkpoint = time.time()
+        self.first_step = s.step  # where this segment of the run starts (0, or a resume's step)
         s.stop = s.step >= cfg.max_steps > 0
+        kept = cfg.global_batch_size // engine.world_size
+        if cfg.command_batch_size and cfg.command_batch_size != kept:
+            self.log.warning(f"--batch-size {cfg.command_batch_size} not taken: {self.out_dir} holds a run of global batch "
+                             f"{cfg.global_batch_size}, kept on {engine.world_size} rank(s) as {kept} per rank; change it "
+                             "with --resume --global-batch-size")
 
     # the epochs ----------------------------------------------------------------------------------
     def run_epochs(self, stop_signal: "StopSignal") -> None:
@@ -313,8 +323,7 @@ class Training:
         s, out_dir = self.state, self.out_dir
         norms = torch.stack(torch._foreach_norm([p.detach() for p in self.model.parameters()]))
         if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
-            raise agreed_error(Diverged(f"weights are not finite at step {s.step}; stopped, last good checkpoint "
-                                        f"kept in {out_dir}; lower --lr"))
+            raise agreed_error(Diverged(f"weights are not finite at step {s.step}; stopped, {self._kept()}; lower --lr"))
         samples = self.ledger.total(self.engine)
         problem = None
         if self.engine.rank == 0:
@@ -327,8 +336,8 @@ class Training:
                     self._wait_for_write()
             except OSError as err:
                 problem = (f"could not write {out_dir / 'checkpoint.pt'} at step {self.writer.failed_step} "
-                           f"({err.strerror or err}); the previous checkpoint is kept; free disk space and start "
-                           "the same command again")
+                           f"({err.strerror or err}); {self._kept()}; free disk space and start the same "
+                           f"command{self.restart_flags} again")
         self.last_checkpoint = time.time()
         if self.engine.any(problem is not None):
             raise agreed_error(RunAborted(problem or "rank 0 could not write the checkpoint"))
@@ -340,14 +349,21 @@ class Training:
             self.log.checkpoint(**self.writer.last)
             self.writer.last = None
 
+    def _kept(self) -> str:
+        """What a stopped run leaves to continue from, for its last line."""
+        try:
+            return f"the last good checkpoint (step {checkpoint.peek(self.out_dir / 'checkpoint.pt')['step']}) is kept in {self.out_dir}"
+        except (OSError, UsageError):  # none yet (or none readable): the run starts again from step 0
+            return f"no checkpoint was written yet in {self.out_dir}"
+
     def _preempt(self) -> None:
         self.save(wait=True)
         step = self.state.step
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).write_text(f"step {step}\n")
             # said before any rank exits: a launcher tears the other ranks down at the first exit
-            print(f"preempted at step {step}: checkpoint written to {self.out_dir}; start the same command "
-                  "again to continue", file=sys.stderr, flush=True)
+            print(f"preempted at step {step}: checkpoint written to {self.out_dir}; start the same command"
+                  f"{self.restart_flags} again to continue", file=sys.stderr, flush=True)
         self.engine.barrier()  # nobody exits (and gets the job torn down) before the checkpoint is on disk
         raise Preempted(f"preempted at step {step}")
 
@@ -359,9 +375,12 @@ class Training:
         s, cfg = self.state, self.cfg
         seconds, images = time.time() - self.started, self.clock.images(s.step)
         top1 = None if s.top1 is None else round(s.top1, 4)
+        steps, trained = s.step - self.first_step, images - self.clock.images(self.first_step)
+        segment = f"{_count(steps, 'step')}, {trained} images in {seconds:.1f} s"
+        summary = (f"done: {segment}" if not self.first_step else
+                   f"done: step {s.step} ({segment} since the resume at step {self.first_step}; {images} images in all)")
         self.log.stop(K.SUCCESS if (s.reached_target or not cfg.target_accuracy) else K.ABORTED,
-                      f"done: {s.step} steps, {images} images in {seconds:.1f} s; top-1 {top1}; "
-                      f"run directory {self.out_dir}")
+                      f"{summary}; top-1 {top1}; run directory {self.out_dir}")
         self.engine.shutdown()
         return {"top1": s.top1, "top5": s.top5, "reached_target": s.reached_target, "steps": s.step,
                 "images": images, "seconds": seconds, "out_dir": str(self.out_dir)}
@@ -384,7 +403,7 @@ class Training:
         cfg, s = self.cfg, self.state
         if self.engine.any(int(s.bad_steps.item()) >= cfg.max_bad_steps):
             raise agreed_error(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step "
-                                        f"{s.step}); stopped, last good checkpoint kept in {self.out_dir}; lower --lr"))
+                                        f"{s.step}); stopped, {self._kept()}; lower --lr"))
 
     def _skipped(self, split: str) -> int:
         """Unreadable files skipped on all ranks since the last report, printed with a few names."""
@@ -393,6 +412,10 @@ class Training:
         if skipped:
             self.log.warning(f"skipped {skipped} unreadable {split} image(s), e.g. {', '.join(examples)}")
         return skipped
+
+
+def _count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"
 
 
 class StopSignal:
@@ -497,13 +520,11 @@ def test_only(cfg: Config) -> tuple[float, float, int]:
         precision = Precision(cfg.precision, engine.device)
         batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or 256  # the run's per-rank batch
         data_dir = resolve_data_dir(cfg)
-        loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch,
+        loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch, evaluate_only=True,
                                                              precision=precision.name),
                               engine.rank, engine.world_size, engine.device)
         state = checkpoint.load(run_dir / "checkpoint.pt", engine.device)
-        if state["model"]["fc.weight"].shape[0] != loader.num_classes:
-            raise UsageError(f"the checkpoint in {run_dir} has {state['model']['fc.weight'].shape[0]} classes, the "
-                             f"data {data_dir or 'synthetic'} {loader.num_classes}; check --data-dir")
+        _check_evaluated(state, cfg, loader, run_dir, data_dir)
         return precision, loader, state
     precision, loader, state = agreed(engine, prepare)
     model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last).to(engine.device)
@@ -513,3 +534,25 @@ def test_only(cfg: Config) -> tuple[float, float, int]:
         print(f"top-1 {top1:.4f}  top-5 {top5:.4f}  ({images} images)", flush=True)
     engine.shutdown()
     return top1, top5, images
+
+
+def _check_evaluated(state: dict, cfg: Config, loader, run_dir: Path, data_dir: str) -> None:
+    """The checkpoint fits the model --arch builds, and the data's classes are the run's, name by name
+    (the same count with other names would be scored as if they were the run's)."""
+    weights, data = state["model"], data_dir or "the synthetic data"
+    if weights["fc.weight"].shape[0] != loader.num_classes:
+        raise UsageError(f"the checkpoint in {run_dir} has {weights['fc.weight'].shape[0]} classes, the "
+                         f"data {data} {loader.num_classes}; check --data-dir")
+    with torch.device("meta"):  # shapes only, nothing allocated
+        expected = build_model(cfg.arch, loader.num_classes, channels_last=False).state_dict()
+    saved_arch = state.get("config", {}).get("arch", "?")
+    differing = next((name for name in {*expected, *weights}
+                      if name not in expected or name not in weights or expected[name].shape != weights[name].shape), None)
+    if differing:
+        raise UsageError(f"the checkpoint in {run_dir} holds a {saved_arch}, which --arch {cfg.arch} does not build "
+                         f"({differing} differs); drop --arch or give the run's")
+    recorded = state.get("classes")
+    if recorded and loader.class_names and recorded != loader.class_names:
+        first = next(i for i, (a, b) in enumerate(zip(recorded, loader.class_names)) if a != b)
+        raise UsageError(f"the classes of {data} are not the run's (class {first} is {loader.class_names[first]!r} "
+                         f"there, {recorded[first]!r} in the run); check --data-dir")
