@@ -1,6 +1,8 @@
 """The scorer on hand-made run directories (known times and accuracies) and on real runs."""
 import json
+import os
 import shutil
+import signal
 import struct
 import subprocess
 import sys
@@ -204,13 +206,18 @@ def test_crashed_truncated_and_unevaluated_runs(tmp_path):
 
 
 def test_compliance_verdict_and_report_on_real_runs(tmp_path):
-    for name in ("a", "b"):
-        trained = run_train("--out-dir", name, "--arch", "resnet18", "--max-steps", 3, "--workers", 0,
-                            "--log-every", 1, cwd=tmp_path)
+    # One epoch trained in full: a run that ended by itself gets the checker's verdict. Run a's --max-steps is
+    # its epoch's steps: reached as the epoch ends, it cut nothing short.
+    for name, max_steps in (("a", 15), ("b", 0)):
+        trained = run_train("--out-dir", name, "--arch", "resnet18", "--epochs", 1, "--max-steps", max_steps,
+                            "--workers", 0, "--log-every", 5, cwd=tmp_path)
         assert trained.returncode == 0, trained.stderr
+    records = [json.loads(line) for line in (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()]
+    assert steps_per_epoch(tmp_path / "a") == 15 and max(m.get("step", 0) for m in records) == 15
     lines = (tmp_path / "b" / "mllog.txt").read_text().splitlines()  # break it: drop a required key
     (tmp_path / "b" / "mllog.txt").write_text("".join(f"{line}\n" for line in lines if '"key": "submission_org"' not in line))
     good = json.loads(score(tmp_path / "a", "--json", cwd=tmp_path).stdout)
+    assert good["status"] == "complete"
     assert good["mlperf_compliant"] is True and good["mlperf_verdict"] == "SUCCESS"
     assert good["hpc_ai500_level"] == "free"  # resnet18 at 32 px: the model changed
     broken = json.loads(score(tmp_path / "b", "--json", cwd=tmp_path).stdout)
@@ -222,6 +229,68 @@ def test_compliance_verdict_and_report_on_real_runs(tmp_path):
     width, height = struct.unpack(">II", png[16:24])
     assert (width, height) == (1200, 450)
     assert not (tmp_path / "compliance_checker.log").exists()
+
+
+@pytest.fixture(scope="module")
+def max_steps_run(tmp_path_factory):
+    """A real default-preset run (ResNet-18) stopped by --max-steps after 3 of its 16 epochs' steps; it
+    evaluates there, and its log ends with run_stop status success."""
+    root = tmp_path_factory.mktemp("max_steps")
+    trained = run_train("--out-dir", "cut", "--arch", "resnet18", "--max-steps", 3, "--workers", 0, "--log-every", 1,
+                        cwd=root)
+    assert trained.returncode == 0, trained.stderr
+    return root / "cut"
+
+
+def steps_per_epoch(run):
+    """The run's steps per epoch: its training images (mllog's train_samples) // its global batch."""
+    events = [json.loads(line.split(" ", 1)[1]) for line in (run / "mllog.txt").read_text().splitlines()]
+    train_images = next(e["value"] for e in events if e["key"] == "train_samples")
+    return train_images // yaml.safe_load((run / "config.yaml").read_text())["global_batch_size"]
+
+
+def test_a_run_stopped_by_max_steps_says_so_and_gets_no_verdict(max_steps_run, tmp_path):
+    from helpers import compliance
+    config = yaml.safe_load((max_steps_run / "config.yaml").read_text())
+    assert config["max_steps"] == 3 and config["epochs"] == 16
+    # the checker passes the log (open division, run_stop success): the scorer must not pass it on
+    checked = compliance(max_steps_run / "mllog.txt", cwd=tmp_path)
+    assert checked.returncode == 0 and "SUCCESS" in checked.stdout + checked.stderr
+    got = json.loads(score(max_steps_run, "--json", cwd=tmp_path).stdout)
+    assert got["status"] == "stopped at max-steps"
+    assert got["mlperf_compliant"] is None
+    assert f"3 of {16 * steps_per_epoch(max_steps_run)} steps" in got["mlperf_verdict"], got["mlperf_verdict"]
+    rows = score(max_steps_run, cwd=tmp_path).stdout.splitlines()
+    assert rows[1].split("  ")[1].strip() == "stopped at max-steps" and " - " in rows[1] and "SUCCESS" not in rows[1]
+    assert any(row.startswith("cut: MLPerf: no verdict: stopped at max-steps") for row in rows)
+
+
+def test_a_preempted_run_is_preempted_and_resumable_not_crashed(tmp_path):
+    from helpers import kill_tree, start, wait_until
+    from train import checkpoint
+    command = [sys.executable, "-m", "train", "--out-dir", "run", "--arch", "resnet18", "--epochs", 30, "--workers", 0,
+               "--log-every", 1]
+    proc = start(command, cwd=tmp_path, log=tmp_path / "train.log")
+    try:  # stopped as Slurm stops a job, once its first evaluation is logged
+        metrics = tmp_path / "run" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and '"kind": "eval"' in metrics.read_text(), 300, "an eval", alive=[proc])
+        os.kill(proc.pid, signal.SIGUSR1)
+        assert proc.wait(timeout=120) == 75, (tmp_path / "train.log").read_text()
+    finally:
+        kill_tree(proc)
+    run = tmp_path / "run"
+    step = checkpoint.peek(run / "checkpoint.pt")["step"]
+    got = json.loads(score(run, "--json", cwd=tmp_path).stdout)
+    assert got["status"] == "preempted" and got["mlperf_compliant"] is None
+    assert f"preempted at step {step}" in got["mlperf_verdict"]
+    assert any(f"preempted at step {step}: resumable" in note and "checkpoint.pt" in note for note in got["notes"])
+    assert not any("crashed" in note for note in got["notes"])
+    # what tells it from a crash is the PREEMPTED marker beside its checkpoint
+    crashed = tmp_path / "crashed"
+    shutil.copytree(run, crashed)
+    (crashed / "PREEMPTED").unlink()
+    got = json.loads(score(crashed, "--json", cwd=tmp_path).stdout)
+    assert got["status"] == "crashed" and got["mlperf_compliant"] is None and "crashed" in got["mlperf_verdict"]
 
 
 def test_each_problem_is_said_once_and_a_missing_path_is_named(tmp_path):
@@ -319,3 +388,68 @@ def test_a_resumed_run_is_drawn_in_segments_with_each_resume_marked(tmp_path):
     assert len(dotted) == 1 and list(dotted[0].get_xdata()) == [1200.0, 1200.0]
     seconds = [x for x in throughput.get_lines()[0].get_xdata() if x == x]  # NaN breaks the line at the resume
     assert seconds == sorted(seconds) == [600.0, 1200.0, 1800.0]
+
+
+def test_evaluations_are_drawn_at_the_fractional_epoch_they_were_taken(max_steps_run):
+    from train.score import report_figure, score_run
+    accuracy = report_figure([score_run(max_steps_run, 0.763, 5, 0.759, check=False)], 0.759).axes[1]
+    drawn = [line for line in accuracy.get_lines() if line.get_label() == "cut"]
+    # the eval after 3 steps is 3 steps into epoch 1 (MLLOG and the eval record call it epoch 1)
+    assert len(drawn) == 1 and list(drawn[0].get_xdata()) == pytest.approx([3 / steps_per_epoch(max_steps_run)])
+
+
+def pixels_of(figure, axis, colour) -> int:
+    """How many pixels inside the axis's panel, as the figure is drawn, show exactly `colour` (the
+    legend, which shows every run's style whether its data show or not, left out)."""
+    import numpy as np
+    from matplotlib.colors import to_rgb
+    for panel in figure.axes:
+        panel.get_legend().set_visible(False)
+    figure.canvas.draw()
+    image = np.asarray(figure.canvas.buffer_rgba())[..., :3]
+    box = axis.get_window_extent()
+    panel = image[int(image.shape[0] - box.y1):int(image.shape[0] - box.y0), int(box.x0):int(box.x1)]
+    return int((panel == np.round(np.array(to_rgb(colour)) * 255)).all(axis=-1).sum())
+
+
+def test_runs_that_coincide_all_show_in_the_picture(max_steps_run, tmp_path):
+    from train.score import report_figure, score_run
+    twin = tmp_path / "twin"  # the same run twice: every point of one lies on the other's
+    shutil.copytree(max_steps_run, twin)
+    figure = report_figure([score_run(run, 0.763, 5, 0.759, check=False) for run in (max_steps_run, twin)], 0.759)
+    for axis in figure.axes:
+        lines = {line.get_label(): line for line in axis.get_lines()}
+        assert lines["cut"].get_color() != lines["twin"].get_color()
+        for name in ("cut", "twin"):
+            assert pixels_of(figure, axis, lines[name].get_color()) >= 10, (axis.get_title(), name)
+
+
+def test_a_long_run_does_not_squash_a_short_one(tmp_path):
+    """A run of 3 steps (3 s, its eval at epoch 0.2) beside one of 16 epochs (1,600 s)."""
+    from train.score import report_figure, score_run
+    t0 = T0 / 1000
+    short = make_run(tmp_path, "short", [(3, 0.2)], stop_s=3, images=192)
+    write_metrics(short, [{"kind": "train", "step": step, "epoch": step / 15, "images": 64 * step,
+                           "seconds": float(step), "img_per_s": 64.0, "time": t0 + step} for step in (1, 2, 3)]
+                  + [{"kind": "eval", "step": 3, "epoch": 1, "top1": 0.2, "eval_images": 100, "seconds": 3.0,
+                      "time": t0 + 3}])
+    long = make_run(tmp_path, "long", [(1600, 0.9)], stop_s=1600, images=15_360)
+    records = []
+    for epoch in range(1, 17):
+        records += [{"kind": "epoch", "step": 15 * epoch, "epoch": epoch, "images": 960 * epoch,
+                     "seconds": 100.0 * epoch, "img_per_s": 9.6, "time": t0 + 100 * epoch},
+                    {"kind": "eval", "step": 15 * epoch, "epoch": epoch, "top1": 0.05 * epoch, "eval_images": 100,
+                     "seconds": 100.0 * epoch, "time": t0 + 100 * epoch}]
+    write_metrics(long, records)
+    throughput, accuracy = report_figure([score_run(run, 0.763, 5, 0.759, check=False) for run in (short, long)],
+                                         0.759).axes
+
+    def pixel_x(axis, name):
+        """The display x of each point of the named run's line."""
+        line = [line for line in axis.get_lines() if line.get_label() == name][0]
+        return [axis.transData.transform((x, 0.5))[0] for x in line.get_xdata() if x == x]
+
+    short_seconds = pixel_x(throughput, "short")
+    assert max(short_seconds) - min(short_seconds) >= 0.1 * throughput.bbox.width  # its 3 points spread out
+    # its eval (epoch 0.2) stands apart from the long run's first (epoch 1)
+    assert pixel_x(accuracy, "long")[0] - pixel_x(accuracy, "short")[0] >= 0.1 * accuracy.bbox.width

@@ -13,8 +13,13 @@ target, throughput and FLOPS; `training_time_s` and `wall_time_s` (first run_sta
 both given (the table's `time s` and `wall s`), and the status gains `, resumed Nx`
 (`complete, resumed 1x`); the report breaks the throughput line at each resume and marks it with
 a dotted line. The run's end is the last segment's run_stop; a last segment without one is
-`crashed`. The MLPerf verdict stays the checker's (it fails a log with several run_start lines).
-A run without `resume` records has training time = wall time, as before.
+`preempted` (the PREEMPTED marker beside checkpoint.pt: resumable) or else `crashed`. A run without
+`resume` records has training time = wall time, as before.
+
+The status (`complete`, `aborted`, `stopped at max-steps`, `preempted`, `crashed`) says how the run
+ended. Only a run that ended by itself (complete or aborted) gets the checker's MLPerf verdict; a run
+cut short gets none (`mlperf_compliant` null, `mlperf_verdict` saying why), whatever the checker would
+say of its log (it passes a --max-steps run's, which ends with run_stop status success).
 
 The modules: logs (reading a run directory), flops (FLOP counts, Valid FLOPS), mlperf (the
 compliance checker, the olympic mean), level (the HPC AI500 level), runs (a run or a published
@@ -26,10 +31,10 @@ from train.score.flops import (HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN
 from train.score.level import RECIPE_KEYS, hpc_ai500_level
 from train.score.logs import read_config, read_metrics, read_mllog, training_seconds
 from train.score.mlperf import MLPERF_TARGET, compliance, mlperf_score, run_checker
-from train.score.report import draw_report, report_figure, table, throughput_series
+from train.score.report import draw_report, eval_points, report_figure, run_style, table, throughput_series
 from train.score.runs import Score, ScoreError, score_published, score_run
 
 __all__ = ["HPC_AI500_POWER", "HPC_AI500_TARGET", "IMAGENET_TRAIN_IMAGES", "MLPERF_TARGET", "RECIPE_KEYS", "Score",
-           "ScoreError", "compliance", "draw_report", "hpc_ai500_level", "main", "mlperf_score", "num_classes",
-           "read_config", "read_metrics", "read_mllog", "report_figure", "run_checker", "run_flop", "score_published",
-           "score_run", "table", "throughput_series", "training_seconds", "valid_flops"]
+           "ScoreError", "compliance", "draw_report", "eval_points", "hpc_ai500_level", "main", "mlperf_score",
+           "num_classes", "read_config", "read_metrics", "read_mllog", "report_figure", "run_checker", "run_flop",
+           "run_style", "score_published", "score_run", "table", "throughput_series", "training_seconds", "valid_flops"]

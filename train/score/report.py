@@ -27,23 +27,53 @@ def throughput_series(metrics: list[dict]) -> tuple[list[list[tuple[float, float
     return [segment for segment in segments if segment], resumes
 
 
+# Each run's colour, marker and line style: where runs coincide, their markers of different shapes nest,
+# each smaller than the one before (drawn on top), and their lines narrow and dash alike, so no run hides
+# another (dotted lines mark resumes).
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+LINESTYLES = ("-", "--", "-.", (0, (6, 2, 1, 2, 1, 2)))
+MARKER_SIZES = (12, 7.5, 5, 3.5)  # each next one fits inside the one before, white-edged, with a ring to spare
+
+
+def run_style(number: int) -> dict:
+    """The matplotlib line properties of the number-th run, alike in both panels."""
+    return dict(color=f"C{number % 10}", marker=MARKERS[number % len(MARKERS)],
+                linestyle=LINESTYLES[number % len(LINESTYLES)], markersize=MARKER_SIZES[min(number, 3)],
+                markeredgecolor="white", markeredgewidth=0.8, linewidth=max(0.9, 2.4 - 0.5 * number))
+
+
+def eval_points(metrics: list[dict]) -> list[tuple[float, float]]:
+    """(epoch, top-1) of each evaluation at the fractional epoch it was taken: the `epoch` of the train
+    or epoch record of its step (an eval after 3 of 15 steps is at 0.2; the eval record's own `epoch`
+    is the MLLOG epoch number, 1). An eval without such a record keeps its own `epoch`."""
+    at_step = {m["step"]: m["epoch"] for m in metrics
+               if m.get("kind") in ("train", "epoch") and "step" in m and "epoch" in m}
+    return [(at_step.get(m.get("step"), m["epoch"]), m["top1"]) for m in metrics if m.get("kind") == "eval"]
+
+
 def report_figure(scores: list[Score], target: float):
-    """Two panels: training throughput over training seconds, top-1 over epochs; one colour per run."""
+    """Two panels: training throughput over training seconds, top-1 over epochs; one style per run.
+    An axis over which one run reaches more than 10x further than another is logarithmic."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    seconds_spans, epoch_spans = [], []
     for number, s in enumerate(scores):
         metrics = read_metrics(Path(s.run), [])
-        evals = [m for m in metrics if m.get("kind") == "eval"]
-        name, colour = Path(s.run).name, f"C{number}"  # one colour per run in both panels
-        _draw_throughput(left, metrics, name, colour)
-        right.plot([m["epoch"] for m in evals], [m["top1"] for m in evals], color=colour, marker="o", label=name)
-    right.axhline(target, color="red", linestyle="--", label=f"target {target}")
+        evals, style = eval_points(metrics), run_style(number)
+        name = Path(s.run).name
+        seconds_spans.append(_draw_throughput(left, metrics, name, style))
+        right.plot([epoch for epoch, _ in evals], [top1 for _, top1 in evals], label=name, **style)
+        epoch_spans.append(max((epoch for epoch, _ in evals), default=0))
+    right.axhline(target, color="red", linestyle="--", linewidth=1, label=f"target {target}")
     left.set(xlabel="training seconds since run start (dotted: resumed)", ylabel="training images / s",
              title="Throughput")
-    right.set(xlabel="epoch", ylabel="top-1", title="Accuracy", ylim=(0, 1))
-    for axis in (left, right):
+    right.set(xlabel="epoch (fractional: when the evaluation was taken)", ylabel="top-1", title="Accuracy",
+              ylim=(0, 1))
+    for axis, spans in ((left, seconds_spans), (right, epoch_spans)):
+        if not _log_when_uneven(axis, spans):
+            axis.set_xlim(left=0)  # seconds and epochs since the run's start
         axis.grid(alpha=0.3)
         if axis.get_legend_handles_labels()[0]:
             axis.legend(fontsize=8)
@@ -51,18 +81,35 @@ def report_figure(scores: list[Score], target: float):
     return fig
 
 
-def _draw_throughput(axis, metrics: list[dict], name: str, colour: str) -> None:
+def _log_when_uneven(axis, spans: list[float]) -> bool:
+    """A log x axis, its ticks in plain numbers, when the runs' furthest points differ more than 10x:
+    on a linear one the longest run squashes the others against the left edge."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+    spans = [span for span in spans if span > 0]
+    if len(spans) < 2 or max(spans) <= 10 * min(spans):
+        return False
+    axis.set_xscale("log")
+    axis.xaxis.set_major_locator(LogLocator(subs=(1, 2, 5), numticks=12))
+    axis.xaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    axis.xaxis.set_minor_formatter(NullFormatter())
+    axis.set_xlabel(axis.get_xlabel() + ", log scale")
+    return True
+
+
+def _draw_throughput(axis, metrics: list[dict], name: str, style: dict) -> float:
     """One run's throughput line, broken at each resume (NaN after each segment: one line, one
-    legend entry), and a dotted line at each resume; nothing drawn and no legend entry without points."""
+    legend entry), and a dotted line at each resume; nothing drawn and no legend entry without points.
+    Returns the furthest seconds drawn (0 without points)."""
     segments, resumes = throughput_series(metrics)
-    if segments:
-        xs, ys = [], []
-        for segment in segments:
-            xs += [seconds for seconds, _ in segment] + [float("nan")]
-            ys += [rate for _, rate in segment] + [float("nan")]
-        axis.plot(xs, ys, color=colour, marker="o" if len(xs) < 20 else None, label=name)
+    xs, ys = [], []
+    for segment in segments:
+        xs += [seconds for seconds, _ in segment] + [float("nan")]
+        ys += [rate for _, rate in segment] + [float("nan")]
+    if segments:  # at most about a dozen markers on a long line
+        axis.plot(xs, ys, label=name, markevery=max(1, len(xs) // 12), **style)
     for seconds in resumes:
-        axis.axvline(seconds, color=colour, linestyle=":")
+        axis.axvline(seconds, color=style["color"], linestyle=":")
+    return max((x for x in xs if x == x), default=0)
 
 
 def draw_report(scores: list[Score], path: Path, target: float) -> Path:
@@ -89,10 +136,12 @@ def table(scores: list[Score]) -> str:
                      f"{s.valid_flops:.3e}", {True: "SUCCESS", False: "FAILED", None: "-"}[s.mlperf_compliant],
                      s.hpc_ai500_level or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
     for s in scores:
         if s.mlperf_compliant is False:
             lines.append(f"{Path(s.run).name}: MLPerf checker: {s.mlperf_verdict}")
+        elif s.mlperf_verdict.startswith("no verdict"):  # a run cut short: why the MLPerf column says -
+            lines.append(f"{Path(s.run).name}: MLPerf: {s.mlperf_verdict}")
         if s.level_reason:
             lines.append(f"{Path(s.run).name}: HPC AI500 level {s.hpc_ai500_level}: {s.level_reason}")
         lines += [f"{Path(s.run).name}: {note}" for note in s.notes]

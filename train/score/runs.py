@@ -3,10 +3,12 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from train.config import PREEMPTED_MARKER
 from train.score.flops import HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES, published_flop, run_flop, valid_flops
 from train.score.level import hpc_ai500_level
 from train.score.logs import read_config, read_metrics, read_mllog, training_seconds
 from train.score.mlperf import compliance
+from train.schedule import EpochClock, batch_changes
 
 # The settings that make runs one configuration for an MLPerf score.
 CONFIG_KEYS = ("arch", "image_size", "global_batch_size", "optimizer", "lr", "epochs", "warmup_epochs", "preset",
@@ -42,11 +44,13 @@ class Score:
 
 @dataclass
 class _Log:
-    """What mllog.txt says of a run: the run_start of each segment (ms), its evals, its end and status."""
+    """What mllog.txt says of a run: the run_start of each segment (ms), its evals, its end and status
+    (crashed: the last segment has no run_stop), and its training images per epoch (train_samples)."""
     starts: list[float]
     evals: list[dict]
     end_ms: float
     status: str
+    train_images: int | None = None
 
 
 def _read_log(mllog: Path, notes: list) -> _Log:
@@ -59,23 +63,63 @@ def _read_log(mllog: Path, notes: list) -> _Log:
     stops = [e for e in events if e["key"] == "run_stop" and e["time_ms"] >= starts[-1]]
     if not evals:
         raise ScoreError(f"{mllog} has no eval_accuracy; the run never evaluated, so it has no quality to score")
+    train_images = next((e["value"] for e in events if e["key"] == "train_samples"), None)
     if not stops:
-        notes.append("no run_stop: the run crashed or is still running; scored up to its last complete eval")
-        return _Log(starts, evals, evals[-1]["time_ms"], "crashed")
+        return _Log(starts, evals, evals[-1]["time_ms"], "crashed", train_images)
     status = "complete" if stops[-1].get("metadata", {}).get("status") == "success" else "aborted"
-    return _Log(starts, evals, stops[-1]["time_ms"], status)
+    return _Log(starts, evals, stops[-1]["time_ms"], status, train_images)
 
 
-def _note_segments(log: _Log, resumes: list[dict], seconds: float, wall_seconds: float, notes: list) -> str:
+def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, notes: list) -> tuple[str, str]:
+    """The run's status, and why it gets no MLPerf verdict ("" when the checker judges it). Only a run
+    that ended by itself (its epochs trained, its target reached, or stopped by the trainer: complete
+    or aborted) is a result; one cut short gets no verdict, whatever the checker would say of its log."""
+    if log.status == "crashed":
+        marker = run_dir / PREEMPTED_MARKER
+        if marker.is_file():  # written beside checkpoint.pt by a run stopped by a signal; a resume removes it
+            step = marker.read_text().strip().removeprefix("step ")
+            notes.append(f"preempted at step {step}: resumable, its checkpoint.pt continues it (start the same "
+                         f"command with --out-dir {run_dir}); scored up to its last complete eval")
+            return "preempted", f"no verdict: preempted at step {step}, the run has not ended"
+        notes.append("no run_stop: the run crashed or is still running; scored up to its last complete eval")
+        return "crashed", "no verdict: the run ended without run_stop (crashed)"
+    cut_short = _max_steps_stop(config, metrics, log)
+    if cut_short:
+        return "stopped at max-steps", (f"no verdict: stopped at max-steps, {cut_short}; a result trains its epochs "
+                                        "or reaches its target")
+    return log.status, ""
+
+
+def _max_steps_stop(config: dict, metrics: list[dict], log: _Log) -> str:
+    """How far a run stopped by --max-steps got ("3 of 240 steps, epoch 0.2 of 16"), or "" when it was
+    not stopped so: it trained its epochs or reached its --target-accuracy."""
+    max_steps, epochs = config.get("max_steps") or 0, config.get("epochs") or 0
+    trained = [m for m in metrics if m.get("kind") in ("train", "epoch")]
+    step = max((m.get("step", 0) for m in trained), default=0)
+    epoch = max((m.get("epoch", 0) for m in trained), default=0)
+    target = config.get("target_accuracy") or 0
+    if not (max_steps and step >= max_steps and epoch < epochs) or (target and log.evals[-1]["value"] >= target):
+        return ""
+    try:  # the steps of its epochs, as the trainer counts them
+        clock = EpochClock(int(log.train_images), int(config["global_batch_size"]),
+                           batch_changes(config.get("batch_schedule") or ""), int(epochs))
+        of_steps = f"{step} of {clock.total_steps} steps"
+    except (KeyError, TypeError, ValueError):  # an older or hand-made run: its epochs say enough
+        of_steps = f"step {step}"
+    return f"{of_steps}, epoch {round(epoch, 2):g} of {epochs:g}"
+
+
+def _note_segments(status: str, log: _Log, resumes: list[dict], seconds: float, wall_seconds: float,
+                   notes: list) -> str:
     """The run's status with its resumes (`complete, resumed 1x`); notes how its times were taken."""
     if resumes:
         notes.append(f"resumed {len(resumes)}x: time to quality, time to target and throughput are in training time "
                      f"({seconds:.1f} s); the wall time {wall_seconds:.1f} s includes {wall_seconds - seconds:.1f} s down")
-        return f"{log.status}, resumed {len(resumes)}x"
+        return f"{status}, resumed {len(resumes)}x"
     if len(log.starts) > 1:
         notes.append(f"{len(log.starts)} run_start lines but no resume records in metrics.jsonl: the times include the "
                      "downtime between segments")
-    return log.status
+    return status
 
 
 def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, check: bool) -> Score:
@@ -94,7 +138,8 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     wall_seconds, seconds = (log.end_ms - run_start) / 1000, training_seconds(log.end_ms, run_start, resumes)
     if seconds <= 0:
         raise ScoreError(f"{mllog}: run_stop is not after run_start; the log's clock is broken")
-    status = _note_segments(log, resumes, seconds, wall_seconds, notes)
+    status, no_verdict = _how_it_ended(run_dir, config, metrics, log, notes)
+    status = _note_segments(status, log, resumes, seconds, wall_seconds, notes)
     # The images trained up to the end (a crashed run's end is its last eval), and all images evaluated.
     trained = [m for m in metrics if m.get("kind") in ("train", "epoch") and m["time"] * 1000 <= log.end_ms + 1]
     images = max((m["images"] for m in trained), default=0)
@@ -104,7 +149,7 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     total_flop = run_flop(config, images, eval_images)
     flops = total_flop / seconds
     level, reason = hpc_ai500_level(config)
-    verdict = compliance(mllog) if check else (None, "not checked")
+    verdict = (None, no_verdict) if no_verdict else compliance(mllog) if check else (None, "not checked")
     return Score(run=str(run_dir), time_to_quality_s=round(seconds, 3), images=images,
                  throughput_img_s=round(images / seconds, 2), top1=top1, total_flop=total_flop, flops=flops,
                  valid_flops=valid_flops(flops, top1, target, power), mlperf_compliant=verdict[0],
