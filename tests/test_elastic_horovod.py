@@ -2,6 +2,7 @@
 takes a failed worker's whole host out of the job), a discovery script that reads a hosts file. A killed
 worker costs the steps since the last commit; a worker that joins gets the state; too few workers end
 the job instead of hanging."""
+import json
 import os
 import signal
 import socket
@@ -11,7 +12,7 @@ import psutil
 import pytest
 
 from helpers import BIN, descendants, kill_tree, process_env, read_metrics, start, wait_until
-from train import checkpoint
+from train import checkpoint, runlock
 
 # 72 images at global batch 12: 6 steps per epoch, 3 epochs; a commit every 2 steps
 RUN = ["-m", "train", "--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16,
@@ -54,6 +55,14 @@ def trained_to(run_dir, step: int):
     return path.exists() and any(r.get("kind") == "train" and r["step"] >= step for r in read_metrics(run_dir))
 
 
+def lock_holder(run_dir) -> int | None:
+    """The process number the run directory's lock names (None without a lock)."""
+    try:
+        return json.loads((run_dir / runlock.LOCK_NAME).read_text())["pid"]
+    except (OSError, ValueError, KeyError):
+        return None
+
+
 def each_position_once(count: int) -> dict:
     return {"count": count, "sum": count * (count - 1) // 2, "sum_sq": sum(p * p for p in range(count))}
 
@@ -65,10 +74,17 @@ def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_w
     job = elastic_job(tmp_path, host_aliases()[:3], "--checkpoint-every-steps", 4)
     try:
         wait_until(lambda: trained_to(tmp_path / "run", 9), 240, "step 9", alive=[job])
+        holder = lock_holder(tmp_path / "run")
+        assert holder == worker(job, "HOROVOD_RANK", "0")  # the run directory's lock: rank 0's
         os.kill(wait_until(lambda: worker(job, "HOROVOD_RANK", str(killed)), 10, f"rank {killed}"), signal.SIGKILL)
+        if killed == 0:  # the job keeps its lock: the new rank 0 takes it over
+            new = wait_until(lambda: lock_holder(tmp_path / "run") not in (None, holder) and lock_holder(tmp_path / "run"),
+                             120, "the lock taken over by the new rank 0", alive=[job])
+            assert new in descendants(job.pid)
         assert job.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         kill_tree(job)
+    assert not (tmp_path / "run" / runlock.LOCK_NAME).exists()  # released at the end by whoever is rank 0
     records = read_metrics(tmp_path / "run")
     change = next(r for r in records if r["kind"] == "workers")
     assert change["ranks"] == 2 and change["batch_size"] == 6 and change["step"] % 2 == 0 and change["step"] >= 8

@@ -265,7 +265,7 @@ def test_a_run_stopped_by_max_steps_says_so_and_gets_no_verdict(max_steps_run, t
     assert any(row.startswith("cut: MLPerf: no verdict: stopped at max-steps") for row in rows)
 
 
-def test_a_preempted_run_is_preempted_and_resumable_not_crashed(tmp_path):
+def test_a_running_run_is_running_a_preempted_one_preempted_and_resumable_not_crashed(tmp_path):
     from helpers import kill_tree, start, wait_until
     from train import checkpoint
     command = [sys.executable, "-m", "train", "--out-dir", "run", "--arch", "resnet18", "--epochs", 30, "--workers", 0,
@@ -274,6 +274,8 @@ def test_a_preempted_run_is_preempted_and_resumable_not_crashed(tmp_path):
     try:  # stopped as Slurm stops a job, once its first evaluation is logged
         metrics = tmp_path / "run" / "metrics.jsonl"
         wait_until(lambda: metrics.exists() and '"kind": "eval"' in metrics.read_text(), 300, "an eval", alive=[proc])
+        running = json.loads(score(tmp_path / "run", "--json", "--no-check", cwd=tmp_path).stdout)
+        assert running["status"] == "running" and f"process {proc.pid} on" in " ".join(running["notes"])  # its lock
         os.kill(proc.pid, signal.SIGUSR1)
         assert proc.wait(timeout=120) == 75, (tmp_path / "train.log").read_text()
     finally:

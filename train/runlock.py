@@ -120,6 +120,26 @@ def holder_alive(path: Path, record: dict, say=print) -> bool:
     return False
 
 
+def running(out_dir: Path) -> dict | None:
+    """The holder of a run directory's lock when it looks alive now, without watching (the scorer's
+    question): alive on its own host, or refreshed within STALE_S seconds on another."""
+    path = Path(out_dir) / LOCK_NAME
+    record = _read(path)
+    if not record:
+        return None
+    here = _this_machine()
+    if all(record.get(key) == here[key] for key in here):
+        return record if _process_start(int(record.get("pid", -1))) == record.get("started") else None
+    try:
+        now = _fs_now(path.parent)
+    except OSError:  # a folder we may not write: this host's clock
+        now = time.time()
+    try:
+        return record if now - path.stat().st_mtime < STALE_S else None
+    except FileNotFoundError:
+        return None
+
+
 def refusal(out_dir: Path, record: dict) -> UsageError:
     return UsageError(f"{out_dir} is in use by another job ({describe(record)}); wait for it to end, stop it, "
                       "or choose another --out-dir")

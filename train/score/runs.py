@@ -4,6 +4,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from train.config import PREEMPTED_MARKER
+from train.runlock import describe, running
 from train.score.flops import HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES, published_flop, run_flop, valid_flops
 from train.score.level import hpc_ai500_level
 from train.score.logs import read_config, read_metrics, read_mllog, training_seconds
@@ -81,7 +82,11 @@ def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, n
             notes.append(f"preempted at step {step}: resumable, its checkpoint.pt continues it (start the same "
                          f"command with --out-dir {run_dir}); scored up to its last complete eval")
             return "preempted", f"no verdict: preempted at step {step}, the run has not ended"
-        notes.append("no run_stop: the run crashed or is still running; scored up to its last complete eval")
+        holder = running(run_dir)
+        if holder:  # its job holds the run directory's lock (train/runlock.py)
+            notes.append(f"running ({describe(holder)}); scored up to its last complete eval")
+            return "running", "no verdict: the run has not ended"
+        notes.append("no run_stop and no job holds its lock: the run crashed; scored up to its last complete eval")
         return "crashed", "no verdict: the run ended without run_stop (crashed)"
     cut_short = _max_steps_stop(config, metrics, log)
     if cut_short:
