@@ -14,7 +14,10 @@ which writes, syncs and renames it at a low CPU priority: it shares neither the 
 lock nor, when the cores are busy, much of their time. Where there is no memfd (not Linux) or no
 process can be started, the state is copied into fresh memory and written by a thread of the
 trainer, as before.
+
+--init-from reads the weights out of other scripts' checkpoints too (`load_weights`).
 """
+import argparse
 import errno
 import mmap
 import os
@@ -462,14 +465,35 @@ def peek(path: Path, what_to_do: str = "") -> dict:
     return {key: value for key, value in state.items() if not isinstance(value, dict)}
 
 
-def load_weights(path: Path, what_to_do: str) -> dict:
-    """A model's weights from a checkpoint of this trainer or from a bare state_dict (torchvision's
-    .pth files), on the CPU."""
-    state = _read(path, torch.device("cpu"), what_to_do, mmap=True)
-    weights = state["model"] if isinstance(state.get("model"), dict) else state
-    if not weights or not all(isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in weights.items()):
-        raise _refused(path, "it holds neither a checkpoint nor a state_dict of tensors", what_to_do)
-    return weights
+# Where other scripts' checkpoints keep the weights (the first found wins): this trainer's and torchvision's
+# reference scripts' `model`, timm's and Lightning's `state_dict`, and the names common in tutorials
+WEIGHT_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "net")
+# What wrappers put before every name: DDP's and DataParallel's `module.`, torch.compile's `_orig_mod.`
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def load_weights(path: Path, what_to_do: str) -> tuple[dict, list[str]]:
+    """A model's weights, on the CPU, from a checkpoint of this trainer or of another script (the
+    weights under one of WEIGHT_KEYS, nested or not), or a bare state_dict (torchvision's .pth files);
+    names without a wrapper's prefix. Also says how they were found (e.g. "under 'state_dict'")."""
+    with torch.serialization.safe_globals([argparse.Namespace]):  # torchvision's and timm's scripts save their flags as one
+        state = _read(path, torch.device("cpu"), what_to_do, mmap=True)
+    found = []
+    while not _is_state_dict(state):
+        key = next((key for key in WEIGHT_KEYS if isinstance(state.get(key), dict)), None)
+        if key is None:
+            raise _refused(path, "it holds neither a checkpoint nor a state_dict of tensors", what_to_do)
+        state = state[key]
+        found.append(f"under {key!r}")
+    while prefix := next((p for p in WRAPPER_PREFIXES if all(name.startswith(p) for name in state)), None):
+        state = {name[len(prefix):]: tensor for name, tensor in state.items()}
+        found.append(f"{prefix!r} dropped")
+    return state, found
+
+
+def _is_state_dict(value) -> bool:
+    return (isinstance(value, dict) and bool(value)
+            and all(isinstance(key, str) and isinstance(item, torch.Tensor) for key, item in value.items()))
 
 
 def _read(path: Path, device: torch.device, what_to_do: str, mmap: bool = False) -> dict:

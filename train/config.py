@@ -97,7 +97,7 @@ class Config:
     checkpoint_every_minutes: float = field(default=0.0, metadata={"help": "also checkpoint every M minutes of training (rank 0's clock, agreed by all ranks), written in the background (0: never)"})
     commit_every: int = field(default=50, metadata={"help": "Horovod Elastic: commit the state to host memory every N steps (and at epoch ends); a lost worker costs the steps since"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)"})
-    init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint.pt or a torchvision ResNet state_dict file (weights only)"})
+    init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)"})
     restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
     show_recipe: bool = field(default=False, metadata={"help": "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop"})
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})

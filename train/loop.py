@@ -123,8 +123,9 @@ class Training:
         self.lock = None  # rank 0's lock on the run directory (train/runlock.py)
         self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: checkpoint.reserve)
         if cfg.init_from and not cfg.resume:  # checked at start-up; every rank loads the same weights
-            model.load_state_dict(init_weights(cfg))
-            self.log.print(f"starting from the weights in {cfg.init_from}")
+            weights, said = init_weights(cfg)
+            model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
+            self.log.print(said)
         self.model, self.optimizer = engine.wrap(model, optimizer)
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
             self._resume()
