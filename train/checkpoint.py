@@ -14,12 +14,17 @@ which writes, syncs and renames it at a low CPU priority: it shares neither the 
 lock nor, when the cores are busy, much of their time. Where there is no memfd (not Linux) or no
 process can be started, the state is copied into fresh memory and written by a thread of the
 trainer, as before.
+
+--keep-checkpoints keeps finished checkpoints under other names (`keep_copies`) as hard links, and
+--init-from reads the weights out of other scripts' checkpoints too (`load_weights`).
 """
+import argparse
 import errno
 import mmap
 import os
 import pickle
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -54,7 +59,12 @@ def save(path: Path, state: dict) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
-    folder = os.open(path.parent, os.O_RDONLY)
+    _sync_folder(path.parent)
+
+
+def _sync_folder(path: Path) -> None:
+    """The folder's entries (a rename into it) on disk."""
+    folder = os.open(path, os.O_RDONLY)
     try:
         os.fsync(folder)
     finally:
@@ -65,6 +75,64 @@ def _temporary(path: Path, pid: int) -> Path:
     """The temporary file a process writes `path` into (a killed writer's is removed by the next start
     of the run: `.checkpoint.pt.*.tmp`), named as the writer process names its own."""
     return Path(checkpoint_writer.temporary(str(path), pid))
+
+
+# kept copies (--keep-checkpoints) --------------------------------------------------------------
+EPOCH_COPY = re.compile(r"checkpoint-epoch(\d+)\.pt")  # checkpoint-epoch003.pt: the checkpoint at the end of epoch 3
+BEST_COPY = "checkpoint-best.pt"
+
+
+def keep_copies(folder: Path, saved: dict, keep: int) -> None:
+    """Keeps the finished folder/checkpoint.pt, whose entries are `saved`, under the names it earns:
+    checkpoint-epochNNN.pt when it ends epoch NNN (then the copies of all but the last `keep` epochs
+    are removed), checkpoint-best.pt when it holds the best weights evaluated so far. Each is a hard link
+    to the file (no second write; a copy where the filesystem has no hard links), made atomically."""
+    latest = folder / "checkpoint.pt"
+    names = []
+    if saved["step_in_epoch"] == 0 and saved["epoch"] > 0:
+        names.append(f"checkpoint-epoch{saved['epoch']:03d}.pt")
+    if saved.get("best_step") == saved["step"]:
+        names.append(BEST_COPY)
+    made = [_link_or_copy(latest, folder / name) for name in names
+            if not ((folder / name).exists() and os.path.samefile(latest, folder / name))]
+    if made:
+        _sync_folder(folder)
+    epochs = sorted((int(match.group(1)), path) for path in folder.iterdir()
+                    if (match := EPOCH_COPY.fullmatch(path.name)))
+    for _, older in epochs[:-keep]:
+        older.unlink(missing_ok=True)
+
+
+def to_evaluate(run_dir: Path, name: str) -> Path:
+    """The checkpoint --test-only evaluates: --checkpoint's file (a name in the run directory, such as
+    checkpoint-best.pt, or a path), else the run's checkpoint.pt."""
+    if not name:
+        if not (run_dir / "checkpoint.pt").is_file():
+            raise UsageError(f"{run_dir} holds no checkpoint.pt to evaluate; check --out-dir")
+        return run_dir / "checkpoint.pt"
+    found = next((path for path in (run_dir / name, Path(name)) if path.is_file()), None)
+    if found is None:
+        kept = sorted(path.name for path in run_dir.glob("checkpoint*.pt"))
+        raise UsageError(f"--checkpoint {name} is neither a file in {run_dir} nor a path; "
+                         f"{run_dir} holds {', '.join(kept) or 'no checkpoint'}")
+    return found
+
+
+def _link_or_copy(source: Path, target: Path) -> Path:
+    tmp = _temporary(target, os.getpid())  # (a killed run's is removed by its next start, as checkpoint.pt's)
+    tmp.unlink(missing_ok=True)
+    try:
+        try:
+            os.link(source, tmp)
+        except OSError:  # a filesystem without hard links (some FUSE and SMB mounts): a copy, synced
+            with open(source, "rb") as original, open(tmp, "wb") as copy:
+                shutil.copyfileobj(original, copy, 16 << 20)
+                copy.flush()
+                os.fsync(copy.fileno())
+        os.replace(tmp, target)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return target
 
 
 # host copies ------------------------------------------------------------------------------------
@@ -462,14 +530,35 @@ def peek(path: Path, what_to_do: str = "") -> dict:
     return {key: value for key, value in state.items() if not isinstance(value, dict)}
 
 
-def load_weights(path: Path, what_to_do: str) -> dict:
-    """A model's weights from a checkpoint of this trainer or from a bare state_dict (torchvision's
-    .pth files), on the CPU."""
-    state = _read(path, torch.device("cpu"), what_to_do, mmap=True)
-    weights = state["model"] if isinstance(state.get("model"), dict) else state
-    if not weights or not all(isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in weights.items()):
-        raise _refused(path, "it holds neither a checkpoint nor a state_dict of tensors", what_to_do)
-    return weights
+# Where other scripts' checkpoints keep the weights (the first found wins): this trainer's and torchvision's
+# reference scripts' `model`, timm's and Lightning's `state_dict`, and the names common in tutorials
+WEIGHT_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "net")
+# What wrappers put before every name: DDP's and DataParallel's `module.`, torch.compile's `_orig_mod.`
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+
+def load_weights(path: Path, what_to_do: str) -> tuple[dict, list[str]]:
+    """A model's weights, on the CPU, from a checkpoint of this trainer or of another script (the
+    weights under one of WEIGHT_KEYS, nested or not), or a bare state_dict (torchvision's .pth files);
+    names without a wrapper's prefix. Also says how they were found (e.g. "under 'state_dict'")."""
+    with torch.serialization.safe_globals([argparse.Namespace]):  # torchvision's and timm's scripts save their flags as one
+        state = _read(path, torch.device("cpu"), what_to_do, mmap=True)
+    found = []
+    while not _is_state_dict(state):
+        key = next((key for key in WEIGHT_KEYS if isinstance(state.get(key), dict)), None)
+        if key is None:
+            raise _refused(path, "it holds neither a checkpoint nor a state_dict of tensors", what_to_do)
+        state = state[key]
+        found.append(f"under {key!r}")
+    while prefix := next((p for p in WRAPPER_PREFIXES if all(name.startswith(p) for name in state)), None):
+        state = {name[len(prefix):]: tensor for name, tensor in state.items()}
+        found.append(f"{prefix!r} dropped")
+    return state, found
+
+
+def _is_state_dict(value) -> bool:
+    return (isinstance(value, dict) and bool(value)
+            and all(isinstance(key, str) and isinstance(item, torch.Tensor) for key, item in value.items()))
 
 
 def _read(path: Path, device: torch.device, what_to_do: str, mmap: bool = False) -> dict:

@@ -96,13 +96,15 @@ class Config:
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
     checkpoint_every_steps: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps, written in the background (0: never)"})
     checkpoint_every_minutes: float = field(default=0.0, metadata={"help": "also checkpoint every M minutes of training (rank 0's clock, agreed by all ranks), written in the background (0: never)"})
+    keep_checkpoints: int = field(default=0, metadata={"help": "besides checkpoint.pt (the latest), keep checkpoint-epochNNN.pt of the last N epochs and checkpoint-best.pt of the best top-1 evaluated (hard links to the finished checkpoint.pt; 0: only checkpoint.pt)"})
     commit_every: int = field(default=50, metadata={"help": "Horovod Elastic: commit the state to host memory every N steps (and at epoch ends); a lost worker costs the steps since"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)"})
-    init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint.pt or a torchvision ResNet state_dict file (weights only)"})
+    init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)"})
     command_batch_size: int = field(default=0, metadata={"internal": True})  # set by parse: a restart's --batch-size, not taken
     restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
     show_recipe: bool = field(default=False, metadata={"help": "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop"})
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
+    checkpoint: str = field(default="", metadata={"help": "--test-only evaluates this checkpoint: a file in --out-dir (checkpoint-best.pt, checkpoint-epoch010.pt: --keep-checkpoints) or a path (default: --out-dir's checkpoint.pt)"})
     max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
     division: str = field(default="open", metadata={"help": "MLPerf division declared in the log"})
     submission_org: str = field(default="reference-trainer")
@@ -287,6 +289,7 @@ BOUNDS = {
     "ranks_per_node": ZERO_OR_MORE, "torus_rows": ZERO_OR_MORE, "bn_span": AT_LEAST_1, "stop_check_every": AT_LEAST_1,
     "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32)"), "max_steps": ZERO_OR_MORE, "log_every": AT_LEAST_1,
     "checkpoint_every": AT_LEAST_1, "checkpoint_every_steps": ZERO_OR_MORE, "checkpoint_every_minutes": ZERO_OR_MORE,
+    "keep_checkpoints": ZERO_OR_MORE,
     "commit_every": AT_LEAST_1, "max_bad_steps": AT_LEAST_1,
 }
 
@@ -340,6 +343,8 @@ def _check_names_and_schedules(cfg: Config) -> None:
 def _check_combinations(cfg: Config) -> None:
     _need(not (cfg.nesterov and cfg.momentum <= 0), "--nesterov needs a positive --momentum")
     _need(not cfg.lars_compile or cfg.optimizer == "lars", "--lars-compile needs --optimizer lars")
+    _need(not cfg.checkpoint or cfg.test_only, f"--checkpoint {cfg.checkpoint} names what --test-only evaluates; "
+          "to start a run from its weights, give --init-from")
     _need(cfg.division == "open" or (not cfg.batch_schedule and cfg.optimizer in ("lars", "sgd")
                                      and cfg.lr_schedule == "warmup-poly"),
           "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "

@@ -95,6 +95,8 @@ class RunState:
     step_in_epoch: int = 0
     top1: float | None = None
     top5: float | None = None
+    best_top1: float | None = None  # the best evaluation so far, at step best_step (--keep-checkpoints)
+    best_step: int | None = None
     reached_target: bool = False
     stop: bool = False
 
@@ -124,10 +126,12 @@ class Training:
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.lock = None  # rank 0's lock on the run directory (train/runlock.py)
         self.restart_flags = ""
+        self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
         self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: checkpoint.reserve)
         if cfg.init_from and not cfg.resume:  # checked at start-up; every rank loads the same weights
-            model.load_state_dict(init_weights(cfg))
-            self.log.print(f"starting from the weights in {cfg.init_from}")
+            weights, said = init_weights(cfg)
+            model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
+            self.log.print(said)
         self.model, self.optimizer = engine.wrap(model, optimizer)
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
             self._resume()
@@ -135,15 +139,18 @@ class Training:
         self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
 
     def _resume(self) -> None:
-        self.load_state_dict(checkpoint.load(self.out_dir / "checkpoint.pt", self.engine.device))
+        saved = checkpoint.load(self.out_dir / "checkpoint.pt", self.engine.device)
+        self.load_state_dict(saved)
         s = self.state
         self.log.print(f"resuming {self.out_dir} at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of the epoch)")
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
             # a write cut short by a killed process (not under Horovod Elastic: a joining worker would take
             # the running rank 0's write in flight for one)
-            for leftover in [] if self.engine.elastic else self.out_dir.glob(".checkpoint.pt.*.tmp"):
+            for leftover in [] if self.engine.elastic else self.out_dir.glob(".checkpoint*.pt.*.tmp"):
                 leftover.unlink(missing_ok=True)
+            if not self.engine.elastic:  # the copies a run killed after its last write had no time to make
+                self._keep_copies(saved)
 
     def state_dict(self, samples: list[int], finished: str | None = None) -> dict:
         """What a checkpoint (and a Horovod Elastic commit) holds; tensors are the live ones."""
@@ -151,7 +158,7 @@ class Training:
         return {"model": self.engine.unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
                 "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
                 "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished, "config": to_dict(self.cfg),
-                "classes": self.loader.class_names}
+                "classes": self.loader.class_names, "best_top1": s.best_top1, "best_step": s.best_step}
 
     def load_state_dict(self, saved: dict, weights: bool = True) -> None:
         if weights:
@@ -162,6 +169,7 @@ class Training:
         s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
         s.stop, s.reached_target = s.step >= self.cfg.max_steps > 0, False  # (a rollback may go back before either)
         self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
+        s.best_top1, s.best_step = saved.get("best_top1"), saved.get("best_step")  # (none in older checkpoints)
 
     def start(self, init_start_ms: int, data_dir: str, note: str) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
@@ -310,6 +318,8 @@ class Training:
             record(top1=top1, top5=top5, eval_images=images, skipped_images=self._skipped("validation"))
         s = self.state
         s.top1, s.top5 = top1, top5
+        if s.best_top1 is None or top1 > s.best_top1:  # (a tie keeps the earlier)
+            s.best_top1, s.best_step = top1, s.step
         s.reached_target = bool(self.cfg.target_accuracy and top1 >= self.cfg.target_accuracy)
         s.stop = s.stop or s.reached_target
 
@@ -332,6 +342,7 @@ class Training:
                 copied = time.time()
                 state = checkpoint.host_copy(self.state_dict(samples, finished))
                 self.writer.start(out_dir / "checkpoint.pt", state, s.step, time.time() - copied)
+                self.in_flight = {key: value for key, value in state.items() if not isinstance(value, dict)}
                 if wait or finished or s.stop or s.epoch >= self.cfg.epochs:
                     self._wait_for_write()
             except OSError as err:
@@ -348,6 +359,19 @@ class Training:
         if self.writer.last:
             self.log.checkpoint(**self.writer.last)
             self.writer.last = None
+        written, self.in_flight = self.in_flight, None
+        if written:
+            self._keep_copies(written)
+
+    def _keep_copies(self, saved: dict) -> None:
+        """--keep-checkpoints: the finished checkpoint.pt (whose entries are `saved`) kept as the epoch's
+        and the best one's copy; a copy that cannot be made is said, and training goes on."""
+        if self.cfg.keep_checkpoints:
+            try:
+                checkpoint.keep_copies(self.out_dir, saved, self.cfg.keep_checkpoints)
+            except OSError as err:
+                self.log.warning(f"could not keep a copy of checkpoint.pt at step {saved['step']} "
+                                 f"({err.strerror or err}); checkpoint.pt itself is on disk")
 
     def _kept(self) -> str:
         """What a stopped run leaves to continue from, for its last line."""
@@ -515,16 +539,15 @@ def test_only(cfg: Config) -> tuple[float, float, int]:
 
     def prepare():
         run_dir = Path(cfg.out_dir)
-        if not (run_dir / "checkpoint.pt").is_file():
-            raise UsageError(f"{run_dir} holds no checkpoint.pt to evaluate; check --out-dir")
+        saved = checkpoint.to_evaluate(run_dir, cfg.checkpoint)
         precision = Precision(cfg.precision, engine.device)
         batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or 256  # the run's per-rank batch
         data_dir = resolve_data_dir(cfg)
         loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch, evaluate_only=True,
                                                              precision=precision.name),
                               engine.rank, engine.world_size, engine.device)
-        state = checkpoint.load(run_dir / "checkpoint.pt", engine.device)
-        _check_evaluated(state, cfg, loader, run_dir, data_dir)
+        state = checkpoint.load(saved, engine.device)
+        _check_evaluated(state, cfg, loader, saved, data_dir)
         return precision, loader, state
     precision, loader, state = agreed(engine, prepare)
     model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last).to(engine.device)
@@ -536,12 +559,12 @@ def test_only(cfg: Config) -> tuple[float, float, int]:
     return top1, top5, images
 
 
-def _check_evaluated(state: dict, cfg: Config, loader, run_dir: Path, data_dir: str) -> None:
+def _check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str) -> None:
     """The checkpoint fits the model --arch builds, and the data's classes are the run's, name by name
     (the same count with other names would be scored as if they were the run's)."""
     weights, data = state["model"], data_dir or "the synthetic data"
     if weights["fc.weight"].shape[0] != loader.num_classes:
-        raise UsageError(f"the checkpoint in {run_dir} has {weights['fc.weight'].shape[0]} classes, the "
+        raise UsageError(f"{saved} has {weights['fc.weight'].shape[0]} classes, the "
                          f"data {data} {loader.num_classes}; check --data-dir")
     with torch.device("meta"):  # shapes only, nothing allocated
         expected = build_model(cfg.arch, loader.num_classes, channels_last=False).state_dict()
@@ -549,7 +572,7 @@ def _check_evaluated(state: dict, cfg: Config, loader, run_dir: Path, data_dir: 
     differing = next((name for name in {*expected, *weights}
                       if name not in expected or name not in weights or expected[name].shape != weights[name].shape), None)
     if differing:
-        raise UsageError(f"the checkpoint in {run_dir} holds a {saved_arch}, which --arch {cfg.arch} does not build "
+        raise UsageError(f"{saved} holds a {saved_arch}, which --arch {cfg.arch} does not build "
                          f"({differing} differs); drop --arch or give the run's")
     recorded = state.get("classes")
     if recorded and loader.class_names and recorded != loader.class_names:

@@ -142,23 +142,34 @@ def check_same_run(cfg: Config) -> None:
                          "own settings to continue it, --resume to change them on purpose, or choose another --out-dir")
 
 
-def init_weights(cfg: Config) -> dict:
-    """--init-from's weights (plain data only), checked against this run's model tensor by tensor."""
+HEAD = ("fc.weight", "fc.bias")  # the classifier, the one part that depends on the class count
+
+
+def init_weights(cfg: Config) -> tuple[dict, str]:
+    """--init-from's weights (plain data only), checked against this run's model tensor by tensor, and
+    the line that says where the run starts. Weights for another class count are fine-tuning's start:
+    all but the classifier head load, the head stays as this run's model was built (as timm does for a
+    changed class count); any other difference is refused."""
     path = Path(cfg.init_from)
-    weights = checkpoint.load_weights(path, "check --init-from")
+    weights, found = checkpoint.load_weights(path, "check --init-from")
     with torch.device("meta"):  # shapes only, nothing allocated
         expected = build_model(cfg.arch, cfg.num_classes, cfg.zero_init_residual, cfg.channels_last).state_dict()
     where = f"this run's {cfg.arch} with {cfg.num_classes} classes"
     for name, tensor in expected.items():
         if name not in weights:
             raise UsageError(f"--init-from {path} has no {name}, which {where} needs; give weights of the same --arch")
-        if weights[name].shape != tensor.shape:
-            raise UsageError(f"--init-from {path}: {name} is {list(weights[name].shape)} there, {list(tensor.shape)} in "
-                             f"{where}; give weights of the same --arch and class count")
+        shape = weights[name].shape
+        if shape != tensor.shape and not (name in HEAD and shape[1:] == tensor.shape[1:]):
+            raise UsageError(f"--init-from {path}: {name} is {list(shape)} there, {list(tensor.shape)} in "
+                             f"{where}; give weights of the same --arch")
     extra = next((name for name in weights if name not in expected), None)
     if extra:
         raise UsageError(f"--init-from {path} holds {extra}, which {where} does not have; give weights of the same --arch")
-    return weights
+    said = f"starting from the weights in {path}" + (f" ({', '.join(found)})" if found else "")
+    if any(weights[name].shape != expected[name].shape for name in HEAD):
+        said += f"; fc.* left new: {weights['fc.weight'].shape[0]} classes there, {cfg.num_classes} here"
+        weights = {name: tensor for name, tensor in weights.items() if name not in HEAD}
+    return weights, said
 
 
 def _check_resume_position(cfg: Config, loader) -> None:
