@@ -246,8 +246,9 @@ def test_a_failed_background_write_ends_the_run_with_exit_3(tmp_path):
                             preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit)))
     assert result.returncode == 3, result.stderr
     line = one_line(result)
-    assert "could not write" in line and "checkpoint.pt at step 2" in line and "previous checkpoint is kept" in line
-    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml", "metrics.jsonl", "mllog.txt"]
+    assert "could not write" in line and "checkpoint.pt at step 2" in line and "no checkpoint was written yet" in line
+    assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml", "metrics.jsonl", "mllog.txt",
+                                                                    "tensorboard"]
     steps = [m["step"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"]
     assert max(steps) == 4  # stopped at the next checkpoint, not at the end
     assert '"status": "aborted"' in (tmp_path / "run" / "mllog.txt").read_text().splitlines()[-1]
