@@ -73,21 +73,21 @@ def settings(**changes):
     return SimpleNamespace(**{"threads": 0, "workers": 4, "loader": "torch", **changes})
 
 
-def test_compute_threads_share_the_cores_with_the_ranks_and_the_loader():
+def test_compute_threads_share_the_cores_with_the_ranks_and_a_gpu_runs_loader():
     cores = len(os.sched_getaffinity(0))
-    assert compute_threads(settings(threads=3), 1, env={}) == 3  # --threads wins
-    assert compute_threads(settings(), 1, env={"OMP_NUM_THREADS": "2"}) == 2  # then the variable
-    assert compute_threads(settings(loader="synthetic"), 1, env={}) == cores  # nothing decodes beside
-    assert compute_threads(settings(loader="synthetic"), cores, env={}) == 1  # a rank a core
-    assert compute_threads(settings(workers=cores), 1, env={}) == 1  # never below one
-    assert compute_threads(settings(workers=1, loader="synthetic"), 1, env={}) == cores
+    assert compute_threads(settings(threads=3), 1, False, env={}) == 3  # --threads wins
+    assert compute_threads(settings(), 1, False, env={"OMP_NUM_THREADS": "2"}) == 2  # then the variable
+    assert compute_threads(settings(), 1, False, env={}) == cores  # a CPU run's loader threads mostly idle
+    assert compute_threads(settings(), cores, False, env={}) == 1  # a rank a core
+    assert compute_threads(settings(workers=1), 1, True, env={}) == max(1, cores - 1)  # a GPU run's loader is busy
+    assert compute_threads(settings(workers=1, loader="synthetic"), 1, True, env={}) == cores  # nothing to decode
+    assert compute_threads(settings(workers=cores), 1, True, env={}) == 1  # never below one
 
 
-@pytest.mark.parametrize("flags, threads", [(["--threads", 2], "2 threads"), ([], "1 thread")])
-def test_the_header_says_the_threads_and_threads_sets_them(tmp_path, flags, threads):
+@pytest.mark.parametrize("flags", [["--threads", 3], []])
+def test_the_header_says_the_threads_and_threads_sets_them(tmp_path, flags):
     env = {"OMP_NUM_THREADS": ""}  # unset for the child: the trainer's own rule decides
-    done = run_train("--out-dir", "run", *RUN, "--loader", "torch", "--workers", len(os.sched_getaffinity(0)),
-                     "--max-steps", 1, *flags,
-                     cwd=tmp_path, env=env)
+    threads = 3 if flags else len(os.sched_getaffinity(0))
+    done = run_train("--out-dir", "run", *RUN, "--loader", "torch", "--max-steps", 1, *flags, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
-    assert f"on cpu, {threads} |" in done.stdout, done.stdout
+    assert f"on cpu, {threads} thread{'s' if threads > 1 else ''} |" in done.stdout, done.stdout

@@ -28,7 +28,7 @@ class Config:
     data_dir: str = field(default="", metadata={"help": "ImageNet-layout tree (train/<class>/, val/<class>/); empty: the embedded dataset"})
     loader: str = field(default="torch", metadata={"help": "input pipeline"})
     workers: int = field(default=4, metadata={"help": "input threads per rank: the torch loader's decoding threads, DALI's CPU threads"})
-    threads: int = field(default=0, metadata={"help": "compute threads per rank (torch's intra-op threads; 0: OMP_NUM_THREADS if set, else the cores this process may use shared by the ranks on its host, less the loader's --workers, at least 1)"})
+    threads: int = field(default=0, metadata={"help": "compute threads per rank (torch's intra-op threads; 0: OMP_NUM_THREADS if set, else the cores this process may use shared by the ranks on its host, less the loader's --workers on a GPU run, at least 1; docs/threads.md)"})
     image_size: int = field(default=224, metadata={"help": "training and evaluation crop size in pixels"})
     crop_min_scale: float = field(default=0.08, metadata={"help": "smallest area fraction of random-resized-crop"})
     crop_max_scale: float = field(default=1.0, metadata={"help": "largest area fraction of random-resized-crop"})

@@ -40,22 +40,22 @@ def create_engine(cfg: Config):
         engine = engines.create(cfg)
     except UsageError as err:  # decided by the flags and the launcher's environment: alike on every rank
         raise agreed_error(err)
-    engine.threads = compute_threads(cfg, getattr(engine, "on_this_host", 1))
+    engine.threads = compute_threads(cfg, getattr(engine, "on_this_host", 1), engine.device.type == "cuda")
     torch.set_num_threads(engine.threads)
     return engine
 
 
-def compute_threads(cfg: Config, ranks_here: int, env=os.environ) -> int:
-    """Compute threads per rank: --threads, else OMP_NUM_THREADS, else the cores this process may use,
-    shared by the ranks on its host, less the threads the loader decodes with beside the training
-    thread. Threads beyond the cores cost more than they give: a CPU run of the default preset under
-    load trained 3x faster with one thread than with torch's default of one per core."""
+def compute_threads(cfg: Config, ranks_here: int, on_gpu: bool, env=os.environ) -> int:
+    """Compute threads per rank: --threads, else OMP_NUM_THREADS, else the cores this process may use
+    shared by the ranks on its host, less the loader's --workers on a GPU run (they decode all along to
+    keep the GPU fed; on a CPU run they idle most of the time: training is far slower than decoding),
+    at least 1. More threads than cores cost more than they give (docs/threads.md has the figures)."""
     if cfg.threads:
         return cfg.threads
     if env.get("OMP_NUM_THREADS", "").isdigit() and int(env["OMP_NUM_THREADS"]) > 0:
         return int(env["OMP_NUM_THREADS"])
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    input_threads = cfg.workers if cfg.loader != "synthetic" else 0
+    input_threads = cfg.workers if on_gpu and cfg.loader != "synthetic" else 0
     return max(1, cores // max(1, ranks_here) - input_threads)
 
 
