@@ -104,7 +104,9 @@ def test_the_holder_refreshes_its_lock_and_a_new_rank_0_of_the_job_takes_it_over
     monkeypatch.setattr(runlock, "job_identity", lambda: "horovodrun 198.18.0.1:4000")
     lock_of(tmp_path, job="horovodrun 198.18.0.1:4000", **runlock._this_machine(), pid=os.getpid(),
             started=runlock._process_start(os.getpid()))
-    second = runlock.RunLock.acquire(tmp_path)
+    with pytest.raises(UsageError):  # outside an elastic job: a live run of the same job (an allocation's shell) keeps it
+        runlock.RunLock.acquire(tmp_path)
+    second = runlock.RunLock.acquire(tmp_path, elastic=True)
     first.release()  # no longer its lock: left alone
     assert json.loads(path.read_text())["token"] == second.record["token"]
     second.release()

@@ -88,7 +88,7 @@ def rejoin(training) -> None:
         # the run directory's lock goes with rank 0: the job keeps it across the change (train/runlock.py)
         if training.lock:
             training.lock.hand_over()
-        training.lock = runlock.RunLock.acquire(training.out_dir) if engine.rank == 0 else None
+        training.lock = runlock.RunLock.acquire(training.out_dir, elastic=True) if engine.rank == 0 else None
         training.log.close()
         training.log = RunLog(training.out_dir if engine.rank == 0 else None, cfg, training.eval_plan)
         training.log.take_over(training.state.step)

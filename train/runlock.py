@@ -11,7 +11,8 @@ shared filesystem:
   A fresher one is watched until it is refreshed (alive: refused) or goes stale (taken over).
 - the job's own restarts keep it: a Slurm requeue (the same job and step), a torchrun restart (the same
   --rdzv-id) and a Horovod Elastic worker that becomes rank 0 (the same rendezvous) take the lock over
-  from their own job at once.
+  from their own job at once, unless (outside Horovod Elastic) its holder still runs on this host: two
+  runs started from one interactive allocation's shell share a job id.
 """
 import json
 import os
@@ -92,14 +93,17 @@ def describe(record: dict) -> str:
     return f"process {record.get('pid')} on {record.get('host')}{job}, since {record.get('since')}"
 
 
-def holder_alive(path: Path, record: dict, say=print) -> bool:
-    """Whether the job named in the lock file still runs (see the module's docstring). May watch a
-    lock on another host for up to STALE_S seconds."""
-    if record.get("job") is not None and record.get("job") == job_identity():
-        return False  # our own job's earlier incarnation (a requeue, a restart, a new rank 0)
+def holder_alive(path: Path, record: dict, say=print, elastic: bool = False) -> bool:
+    """Whether another job, or another live run of this one, holds the lock (see the module's docstring).
+    May watch a lock on another host for up to STALE_S seconds. `elastic`: this process is a worker of
+    a Horovod Elastic job, whose rank 0 may hold the lock alive: our own job's lock is never another's."""
     here = _this_machine()
-    if record and all(record.get(key) == here[key] for key in here):
-        return _process_start(int(record.get("pid", -1))) == record.get("started")
+    on_this_host = bool(record) and all(record.get(key) == here[key] for key in here)
+    alive_here = on_this_host and _process_start(int(record.get("pid", -1))) == record.get("started")
+    if record.get("job") is not None and record.get("job") == job_identity() and (elastic or not alive_here):
+        return False  # our own job's earlier incarnation (a requeue, a restart, a new rank 0)
+    if on_this_host:  # (two runs of one interactive allocation on one node: the live one keeps it)
+        return alive_here
     try:
         refreshed = path.stat().st_mtime
     except FileNotFoundError:
@@ -145,11 +149,11 @@ def refusal(out_dir: Path, record: dict) -> UsageError:
                       "or choose another --out-dir")
 
 
-def check(out_dir: Path, say=print) -> None:
+def check(out_dir: Path, say=print, elastic: bool = False) -> None:
     """Start-up's read-only check: refused when a live job of another holds the run directory."""
     path = Path(out_dir) / LOCK_NAME
     record = _read(path)
-    if record is not None and holder_alive(path, record, say):
+    if record is not None and holder_alive(path, record, say, elastic):
         raise refusal(Path(out_dir), record)
 
 
@@ -164,7 +168,7 @@ class RunLock:
         self._thread.start()
 
     @classmethod
-    def acquire(cls, out_dir: Path, say=print) -> "RunLock":
+    def acquire(cls, out_dir: Path, say=print, elastic: bool = False) -> "RunLock":
         path = Path(out_dir) / LOCK_NAME
         record = {**_this_machine(), "pid": os.getpid(), "started": _process_start(os.getpid()),
                   "job": job_identity(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": uuid.uuid4().hex}
@@ -173,7 +177,7 @@ class RunLock:
                 fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
             except FileExistsError:
                 holder = _read(path)
-                if holder is not None and holder_alive(path, holder, say):
+                if holder is not None and holder_alive(path, holder, say, elastic):
                     raise refusal(Path(out_dir), holder)
                 _remove_dead(path, holder)
                 continue

@@ -103,7 +103,7 @@ def checked_setup(cfg: Config, engine):
     # Horovod Elastic (no collective there) every rank reads the same files and decides alike
     if engine.rank == 0 or engine.elastic:
         if cfg.out_dir and Path(cfg.out_dir).is_dir():  # another job running in it: refused before anything else
-            runlock.check(Path(cfg.out_dir))
+            runlock.check(Path(cfg.out_dir), elastic=engine.elastic)
         if cfg.restarted:
             check_same_run(cfg)
         _check_out_dir(cfg)
@@ -263,7 +263,7 @@ def make_out_dir(cfg: Config, engine) -> tuple[Path, "runlock.RunLock | None"]:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         made = True
-        lock = runlock.RunLock.acquire(out_dir)  # (a refusal leaves the folder to the job that holds it)
+        lock = runlock.RunLock.acquire(out_dir, elastic=engine.elastic)  # (a refusal leaves the folder to the job that holds it)
         # lost before its first checkpoint: nothing of it to keep (but a worker joining a running Horovod
         # Elastic job finds the job's own files, which stay)
         if cfg.restarted and not cfg.resume and not engine.elastic:
