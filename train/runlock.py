@@ -97,18 +97,12 @@ def holder_alive(path: Path, record: dict, say=print, elastic: bool = False) -> 
     """Whether another job, or another live run of this one, holds the lock (see the module's docstring).
     May watch a lock on another host for up to STALE_S seconds. `elastic`: this process is a worker of
     a Horovod Elastic job, whose rank 0 may hold the lock alive: our own job's lock is never another's."""
-    here = _this_machine()
-    on_this_host = bool(record) and all(record.get(key) == here[key] for key in here)
-    alive_here = on_this_host and _process_start(int(record.get("pid", -1))) == record.get("started")
+    alive_here = _alive_here(record)
     if record.get("job") is not None and record.get("job") == job_identity() and (elastic or not alive_here):
         return False  # our own job's earlier incarnation (a requeue, a restart, a new rank 0)
-    if on_this_host:  # (two runs of one interactive allocation on one node: the live one keeps it)
+    if alive_here is not None:  # (two runs of one interactive allocation on one node: the live one keeps it)
         return alive_here
-    try:
-        refreshed = path.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    age = _fs_now(path.parent) - refreshed
+    refreshed, age = _age(path)
     if age >= STALE_S:
         return False
     say(f"{path.parent}: the lock of {describe(record)} was refreshed {age:.0f} s ago; waiting up to "
@@ -131,17 +125,32 @@ def running(out_dir: Path) -> dict | None:
     record = _read(path)
     if not record:
         return None
+    alive_here = _alive_here(record)
+    if alive_here is not None:
+        return record if alive_here else None
+    return record if _age(path)[1] < STALE_S else None
+
+
+def _alive_here(record: dict) -> bool | None:
+    """Whether the lock's holder runs, where this host can tell (its host, boot and process namespace
+    are ours: its process is alive with the start time it recorded); None where it cannot."""
     here = _this_machine()
-    if all(record.get(key) == here[key] for key in here):
-        return record if _process_start(int(record.get("pid", -1))) == record.get("started") else None
-    try:
-        now = _fs_now(path.parent)
-    except OSError:  # a folder we may not write: this host's clock
-        now = time.time()
-    try:
-        return record if now - path.stat().st_mtime < STALE_S else None
-    except FileNotFoundError:
+    if not record or any(record.get(key) != here[key] for key in here):
         return None
+    return _process_start(int(record.get("pid", -1))) == record.get("started")
+
+
+def _age(path: Path) -> tuple[float, float]:
+    """(time of the lock's last refresh, seconds since), on the filesystem's clock (this host's where
+    the folder cannot be written); a lock gone meanwhile is infinitely old."""
+    try:
+        refreshed = path.stat().st_mtime
+    except FileNotFoundError:
+        return 0.0, float("inf")
+    try:
+        return refreshed, _fs_now(path.parent) - refreshed
+    except OSError:
+        return refreshed, time.time() - refreshed
 
 
 def refusal(out_dir: Path, record: dict) -> UsageError:
