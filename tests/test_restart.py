@@ -12,18 +12,13 @@ import pytest
 import torch
 import torchvision
 
-from helpers import child_env, launch, read_metrics, run_train
+from helpers import child_env, files_of, launch, read_metrics, run_train
 from train import checkpoint
 
 # 128 images at global batch 8: 16 steps per epoch
 RUN = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 128,
        "--synthetic-val-images", 16, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 2,
        "--eval-every", 0, "--log-every", 4]
-
-
-def files(folder) -> dict:
-    """Every file below `folder` (the TensorBoard folder's too) and its bytes."""
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def weights(run_dir):
@@ -104,14 +99,14 @@ def test_rank_0s_clock_alone_decides_the_minute_checkpoints(tmp_path):
 def test_a_folder_holding_another_run_is_refused_naming_the_settings(tmp_path):
     first = run_train("--out-dir", "run", *RUN, "--max-steps", 3, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    before = files(tmp_path / "run")
+    before = files_of(tmp_path / "run")
     other = run_train("--out-dir", "run", *RUN, "--max-steps", 6, "--seed", 1, "--arch", "resnet34", cwd=tmp_path)
     assert other.returncode == 2, other.stderr
     lines = other.stderr.strip().splitlines()
     assert lines == ["error: run holds a run with other settings (arch 'resnet18' there, 'resnet34' here; seed 0 "
                      "there, 1 here); start it with its own settings to continue it, --resume to change them on purpose, or "
                      "choose another --out-dir"]
-    assert files(tmp_path / "run") == before
+    assert files_of(tmp_path / "run") == before
     # run-length, logging and checkpoint settings may change
     longer = run_train("--out-dir", "run", *RUN, "--max-steps", 6, "--log-every", 1, "--checkpoint-every-steps", 4,
                        "--workers", 1, cwd=tmp_path)
@@ -127,7 +122,7 @@ def test_a_folder_holding_a_runs_logs_but_no_checkpoint_is_refused_not_restarted
     assert first.returncode == 0, first.stderr
     for name in ("checkpoint.pt", "config.yaml"):
         (tmp_path / "run" / name).unlink()
-    before = files(tmp_path / "run")
+    before = files_of(tmp_path / "run")
     assert {"mllog.txt", "metrics.jsonl"} <= set(before)
     for flags in ([], ["--resume"]):
         again = run_train("--out-dir", "run", *RUN, "--max-steps", 4, *flags, cwd=tmp_path)
@@ -135,7 +130,7 @@ def test_a_folder_holding_a_runs_logs_but_no_checkpoint_is_refused_not_restarted
         assert len(again.stderr.strip().splitlines()) == 1 and "resuming" not in again.stdout, again.stderr
         assert ("already holds a run without the checkpoint.pt and config.yaml" if not flags
                 else "holds no config.yaml for --resume") in again.stderr
-        assert files(tmp_path / "run") == before
+        assert files_of(tmp_path / "run") == before
 
 
 def test_the_run_directory_is_judged_as_it_is_at_the_check_not_when_the_flags_were_read(tmp_path):

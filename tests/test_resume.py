@@ -5,7 +5,7 @@ import pytest
 import torch
 import yaml
 
-from helpers import launch, read_metrics, run_train
+from helpers import files_of, launch, read_metrics, run_train
 
 RUN = ["--arch", "resnet18", "--epochs", 2, "--workers", 2, "--log-every", 4]
 
@@ -59,10 +59,6 @@ def test_fp16_loss_scaler_state_resumes(tmp_path):
 SHORT = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 64,
          "--synthetic-val-images", 16, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 2,
          "--log-every", 2]
-
-
-def files_of(run_dir):
-    return {p.name: p.read_bytes() for p in run_dir.iterdir()}
 
 
 def test_a_finished_run_started_again_says_so_and_changes_nothing(tmp_path):

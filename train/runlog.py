@@ -83,10 +83,10 @@ class RunLog:
         self._started = time.time()
         last = self._previous
         self._offset = float(last.get("seconds", 0.0)) if resumed_at else 0.0
-        self._open_tensorboard(resumed_at["step"] if resumed_at else None)
         if resumed_at:
             gap = round(self._started - last["time"], 3) if "time" in last else None
             self.metrics(kind="resume", **resumed_at, seconds=round(self._offset, 3), gap_s=gap)
+        self._open_tensorboard(resumed_at["step"] if resumed_at else None)
 
     def epoch_start(self, epoch: int, fresh: bool) -> None:
         """Epoch `epoch` (from 1) begins; `fresh`: at its first step (not a resumed middle)."""

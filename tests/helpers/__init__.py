@@ -20,6 +20,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
+def files_of(folder: Path) -> dict[str, bytes]:
+    """Every file below `folder` (a run directory's TensorBoard folder too), by relative path, with its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(Path(folder).rglob("*")) if p.is_file()}
+
+
 def compliance(mllog: Path, cwd: Path) -> subprocess.CompletedProcess:
     """The real mlperf_logging compliance checker, called as the scorer calls it (it writes
     compliance_checker.log into cwd)."""
