@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # The README's test command: set up .venv if needed, then run the whole test suite.
-# Extra arguments go to pytest (e.g. scripts/test.sh -k lars).
+# --quick: the quick tier (no multi-process or slow tests; tests/conftest.py). Other arguments go to
+# pytest (e.g. scripts/test.sh -k lars).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/python -m pytest -ra "$@"
+# the test files run on parallel workers, one file to a worker (pytest-xdist): most tests wait on the
+# processes they start, so two workers keep a 2-core machine busy; TEST_WORKERS=0 runs them one by one
+workers=${TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+exec .venv/bin/python -m pytest -ra -n "$workers" --dist loadfile "$@"

@@ -87,6 +87,7 @@ def test_dali_skips_files_it_cannot_decode(smooth_tree, tmp_path):
     assert skipped >= 2 and {Path(n).name for n in names} <= {"empty.jpg", "text.jpg", "truncated.jpg"}
 
 
+@pytest.mark.slow
 def test_training_with_the_dali_loader(tmp_path):
     result = run_train("--out-dir", "run", "--loader", "dali", "--arch", "resnet18", "--max-steps", 3,
                        "--workers", 2, cwd=tmp_path)

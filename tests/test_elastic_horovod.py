@@ -1,7 +1,8 @@
 """Horovod Elastic with the real horovodrun: three workers, each on a host alias of this machine (Horovod
 takes a failed worker's whole host out of the job), a discovery script that reads a hosts file. A killed
 worker costs the steps since the last commit; a worker that joins gets the state; too few workers end
-the job instead of hanging."""
+the job instead of hanging. And in one process (the quick tier's): the elastic path trains as the plain
+one does."""
 import json
 import os
 import signal
@@ -10,8 +11,9 @@ import subprocess
 
 import psutil
 import pytest
+import torch
 
-from helpers import BIN, descendants, kill_tree, process_env, read_metrics, start, wait_until
+from helpers import BIN, descendants, kill_tree, process_env, read_metrics, run_train, start, wait_until
 from train import checkpoint, runlock
 
 # 72 images at global batch 12: 6 steps per epoch, 3 epochs; a commit every 2 steps
@@ -67,6 +69,7 @@ def each_position_once(count: int) -> dict:
     return {"count": count, "sum": count * (count - 1) // 2, "sum_sq": sum(p * p for p in range(count))}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_with_two(killed, tmp_path):
     """Rank 1, or rank 0: then another worker becomes rank 0 and goes on with the logs and the
@@ -97,6 +100,7 @@ def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_w
     assert saved["step"] == 18 and saved["finished"] == "epochs"
 
 
+@pytest.mark.multiprocess
 def test_a_worker_that_joins_later_gets_the_state(tmp_path):
     aliases = host_aliases()
     if len(aliases) < 3:
@@ -116,6 +120,7 @@ def test_a_worker_that_joins_later_gets_the_state(tmp_path):
     assert records[-1]["kind"] == "replicas" and records[-1]["ranks"] == 3 and records[-1]["differing_from_rank0"] == 0
 
 
+@pytest.mark.multiprocess
 def test_fewer_workers_than_min_np_end_the_job_instead_of_hanging(tmp_path):
     hosts = host_aliases()[:3]
     job = elastic_job(tmp_path, hosts, "--checkpoint-every-steps", 2, min_np=3, elastic_timeout=10)
@@ -130,6 +135,7 @@ def test_fewer_workers_than_min_np_end_the_job_instead_of_hanging(tmp_path):
     assert saved["step"] >= 2 and saved["step"] % 2 == 0
 
 
+@pytest.mark.multiprocess
 def test_every_worker_checks_the_run_directory_and_a_refusal_ends_the_job(tmp_path):
     """No collective agrees on start-up checks under Horovod Elastic (a joining worker must not issue
     one), so each worker reads the run directory itself: a folder holding another run's settings is
@@ -145,3 +151,55 @@ def test_every_worker_checks_the_run_directory_and_a_refusal_ends_the_job(tmp_pa
     log = (tmp_path / "job.log").read_text()
     assert code != 0 and log.count("holds a run with other settings (arch 'resnet34' there, 'resnet18' here)") == 3, log[-3000:]
     assert sorted(p.name for p in (tmp_path / "run").iterdir()) == ["config.yaml"]
+
+
+def test_one_elastic_process_trains_as_a_plain_horovod_process_does(tmp_path):
+    """HOROVOD_ELASTIC=1 without horovodrun: the epochs run under hvd.elastic.run (train/elastic.py), with
+    the state synced at the start and committed every 2 steps; the weights and the optimizer's state end
+    bit for bit where the plain run's do, every image is counted once, and the commits leave nothing in
+    the run directory."""
+    args = [*RUN[4:], "--epochs", 1]  # without "-m train --out-dir run"; 6 steps, a commit every 2
+    for name, env in (("plain", {}), ("elastic", {"HOROVOD_ELASTIC": "1"})):
+        result = run_train("--out-dir", name, *args, "--engine", "horovod", cwd=tmp_path, env=env)
+        assert result.returncode == 0, result.stderr
+    plain, elastic = (torch.load(tmp_path / name / "checkpoint.pt", weights_only=False) for name in ("plain", "elastic"))
+    assert elastic["step"] == plain["step"] == 6
+    for key, tensor in plain["model"].items():
+        assert torch.equal(elastic["model"][key], tensor), key
+    for key, state in plain["optimizer"]["state"].items():
+        assert all(torch.equal(elastic["optimizer"]["state"][key][k], v) for k, v in state.items() if torch.is_tensor(v))
+    epochs = {name: [r["samples"] for r in read_metrics(tmp_path / name) if r["kind"] == "epoch"] for name in ("plain", "elastic")}
+    assert epochs["elastic"] == epochs["plain"] == [each_position_once(72)]
+    assert sorted(p.name for p in (tmp_path / "elastic").iterdir()) == sorted(p.name for p in (tmp_path / "plain").iterdir())
+
+
+def test_a_restored_commit_stays_the_commit_while_training_goes_on():
+    """After a failure every worker restores the last commit, and a second failure before the next
+    commit restores it again: training on from the first restore (an optimizer updates the tensors it
+    loaded in place, as on the CPU) must not change what the second one restores."""
+    from types import SimpleNamespace
+
+    from horovod import torch as hvd
+
+    from train.elastic import TrainingState
+
+    class Training:  # what TrainingState uses of the loop's Training
+        engine, ledger = SimpleNamespace(hvd=hvd), SimpleNamespace(saved=(0, 0, 0))
+
+        def __init__(self):
+            self.weights = {"w": torch.ones(3)}
+
+        def state_dict(self, samples):
+            return {"model": self.weights, "samples": samples}
+
+        def load_state_dict(self, state):
+            self.weights = state["model"]
+
+    training = Training()
+    state = TrainingState(training)
+    training.weights["w"] += 5  # training went on after the commit
+    state.restore()
+    assert torch.equal(training.weights["w"], torch.ones(3))
+    training.weights["w"] += 7  # in place, on the restored tensors
+    state.restore()
+    assert torch.equal(training.weights["w"], torch.ones(3))

@@ -9,9 +9,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from helpers import child_env, free_port, kill_tree, read_metrics, start, torchrun_workers, wait_until
+
+pytestmark = pytest.mark.multiprocess
 
 # torchrun as the README says to run it with restarts: torch 2.14's agents share their rendezvous store with
 # the workers and keep it across restarts, where a restarted gloo group reads the last attempt's addresses

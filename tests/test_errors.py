@@ -41,6 +41,7 @@ def test_empty_data_dir(tmp_path):
     expect_usage_error(tmp_path, "--data-dir", tmp_path / "empty", match="no train/ folder")
 
 
+@pytest.mark.slow
 def test_data_dir_without_images(tmp_path):
     for split in ("train", "val"):
         (tmp_path / "d" / split / "cat").mkdir(parents=True)
@@ -48,6 +49,7 @@ def test_data_dir_without_images(tmp_path):
     expect_usage_error(tmp_path, "--data-dir", tmp_path / "d", *TINY, match="holds no images")
 
 
+@pytest.mark.slow
 def test_train_val_class_mismatch(tmp_path):
     tree = make_tree(tmp_path / "d", ["cat", "dog"], ["cat", "fox"])
     expect_usage_error(tmp_path, "--data-dir", tree, *TINY, match="train and val classes differ")
@@ -61,12 +63,14 @@ def test_unknown_preset(tmp_path):
     expect_usage_error(tmp_path, "--preset", "mlperf-bs1", match="unknown preset 'mlperf-bs1'")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["--batch-size", "--global-batch-size"])
 def test_non_positive_batch_size(tmp_path, flag):
     expect_usage_error(tmp_path, "--batch-size", 0, match="--batch-size must be positive")
     expect_usage_error(tmp_path, flag, -4, match="must be positive")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content, match", [
     ("arch: [resnet50\n", "cannot be read as YAML"),
     ("- just\n- a list\n", "must be a mapping"),
@@ -90,10 +94,12 @@ def test_global_batch_larger_than_the_dataset(tmp_path):
     expect_usage_error(tmp_path, "--data-dir", tree, *TINY, "--batch-size", 64, match="fewer than one global batch")
 
 
+@pytest.mark.slow
 def test_resume_without_a_run(tmp_path):
     expect_usage_error(tmp_path, "--resume", match="no config.yaml for --resume")
 
 
+@pytest.mark.slow
 def test_existing_run_is_not_overwritten(tmp_path):
     first = run_train("--out-dir", "run", *TINY, "--max-steps", 1, "--eval-every", 0, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -104,6 +110,7 @@ def test_existing_run_is_not_overwritten(tmp_path):
     assert (tmp_path / "run" / "checkpoint.pt").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_diverging_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path):
     good = run_train("--out-dir", "run", *TINY, "--max-steps", 15, "--epochs", 3, cwd=tmp_path)
     assert good.returncode == 0, good.stderr
@@ -136,6 +143,7 @@ def test_an_unknown_flag_is_one_line(tmp_path):
     expect_usage_error(tmp_path, "--learning-rate", 3, match="unrecognized arguments: --learning-rate")
 
 
+@pytest.mark.slow
 def test_test_only_without_a_run(tmp_path):
     expect_usage_error(tmp_path, "--test-only", match="no config.yaml for --test-only")
 
@@ -151,6 +159,7 @@ def read_only_folder(tmp_path):
     subprocess.run(["umount", str(folder)])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", ["file_parent", "read_only_parent", "read_only_folder"])
 def test_an_out_dir_that_cannot_be_written_is_one_line(tmp_path, read_only_folder, where):
     (tmp_path / "afile").write_text("not a folder")
@@ -163,6 +172,7 @@ def test_an_out_dir_that_cannot_be_written_is_one_line(tmp_path, read_only_folde
     assert (tmp_path / "afile").read_text() == "not a folder" and list(read_only_folder.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_an_out_dir_whose_parents_are_made_leaves_none_behind_on_failure(tmp_path):
     (tmp_path / "a" / "b").mkdir(parents=True)
     (tmp_path / "a" / "b" / "c").write_text("a file where a folder is needed")
@@ -186,6 +196,7 @@ SYNTHETIC = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, 
              "--synthetic-classes", 10, "--global-batch-size", 8]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags, match", [
     (["--batch-schedule", "1:64"], "global batch 64 is more than the 32 training images"),
     (["--batch-schedule", "1:x"], "--batch-schedule '1:x': '1:x' is not NUMBER:NUMBER"),

@@ -35,6 +35,7 @@ def start_of(tmp_path, name, *flags):
     return result, torch.load(tmp_path / name / "checkpoint.pt", weights_only=True)["model"]
 
 
+@pytest.mark.slow
 def test_imagenet_weights_fine_tune_on_another_class_count_with_a_new_head(tmp_path):
     imagenet = resnet18_weights(1000)
     torch.save({"state_dict": prefixed("module.", imagenet), "epoch": 90}, tmp_path / "imagenet.pth")
@@ -49,6 +50,7 @@ def test_imagenet_weights_fine_tune_on_another_class_count_with_a_new_head(tmp_p
         assert torch.allclose(tuned[name], fresh[name], atol=1e-6), name
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["resnet34", "resnet50"])
 def test_weights_of_another_arch_are_refused_whatever_their_class_count(tmp_path, arch):
     torch.save(getattr(torchvision.models, arch)().state_dict(), tmp_path / "other.pth")  # 1000 classes

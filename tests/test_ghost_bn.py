@@ -102,6 +102,7 @@ def test_without_span_and_ghost_groups_the_model_stays_plain_batchnorm():
     assert isinstance(converted, GroupBatchNorm2d) and converted.ghost == 2
 
 
+@pytest.mark.multiprocess
 def test_ghost_groups_across_two_ranks_are_plain_batchnorm_over_group_i_of_both(tmp_path):
     result = launch("torch", 2, REPO / "tests" / "helpers" / "ghost_bn_check.py", tmp_path, cwd=tmp_path, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -111,6 +111,7 @@ def test_an_index_holding_pickled_objects_is_never_unpickled(tree, monkeypatch):
     assert len(calls) == 1 and samples.labels.dtype == np.int32  # refused, listed again
 
 
+@pytest.mark.multiprocess
 def test_every_rank_reads_the_index_and_none_walks(tree, tmp_path):
     root, classes = tree
     for split in ("train", "val"):
@@ -135,6 +136,7 @@ print(json.dumps(dict(train=loader.train_images, val=loader.val_images, batch=le
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 def test_a_read_only_data_folder_starts_with_its_index_in_the_cache(kind, tree, tmp_path, monkeypatch):
     """Start-up on data it may not write, a read-only mount (EROFS) or a folder without write

@@ -7,6 +7,7 @@ import pytest
 from helpers import REPO, launch, read_metrics
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_init_from_seed_trains_two_ranks_that_end_alike(engine, tmp_path):
     result = launch(engine, 2, "-m", "train", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16,
@@ -18,6 +19,7 @@ def test_init_from_seed_trains_two_ranks_that_end_alike(engine, tmp_path):
     assert replicas[-1]["ranks"] == 2 and replicas[-1]["differing_from_rank0"] == 0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("engine", ["torch", "horovod"])
 def test_init_from_seed_refuses_ranks_with_different_models_and_skips_the_broadcast(engine, tmp_path):
     result = launch(engine, 2, REPO / "tests" / "helpers" / "init_seed_check.py", engine, tmp_path, cwd=tmp_path,

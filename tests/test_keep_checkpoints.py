@@ -30,6 +30,7 @@ def first_best(run_dir) -> dict:
     return max(evals, key=lambda m: (m["top1"], -m["step"]))
 
 
+@pytest.mark.slow
 def test_the_last_epochs_and_the_best_are_kept_across_a_restart(tmp_path):
     command = ["--out-dir", "run", *RUN, "--keep-checkpoints", 2]
     first = run_train(*command, "--max-steps", 2 * STEPS, cwd=tmp_path)  # stops at the end of epoch 2
@@ -66,6 +67,7 @@ def test_the_last_epochs_and_the_best_are_kept_across_a_restart(tmp_path):
     assert weights.keys() == saved.keys() and all(torch.equal(weights[k], saved[k]) for k in saved)
 
 
+@pytest.mark.slow
 def test_copies_a_run_had_no_time_to_make_are_made_when_it_starts_again(tmp_path):
     """A run killed between a checkpoint's write and its copies, or one that turns --keep-checkpoints
     on at a restart, starts with the copies its checkpoint.pt earns."""

@@ -134,6 +134,7 @@ def test_channels_last_weight_with_contiguous_gradient():
     torch.testing.assert_close(p_cl.detach(), p_ref.detach(), rtol=0, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_the_compiled_update_follows_the_reference_formula_and_leaves_the_eager_step_alone():
     """--lars-compile: the trust-ratio group through torch.compile (the excluded group stays eager),
     checked against the float64 formula over steps with changing LR (a 0-dim tensor: no recompile per
@@ -161,6 +162,7 @@ def test_the_compiled_update_follows_the_reference_formula_and_leaves_the_eager_
         assert all(torch.equal(p.grad, g) for p, g in zip(params, grads))  # the compiled update leaves .grad
 
 
+@pytest.mark.slow
 def test_a_run_with_lars_compile_trains_as_the_eager_one(tmp_path):
     """--lars-compile reaches the optimizer: the run ends where the eager run does, to rounding, and
     not exactly (the fused update rounds differently), so the compiled path did run."""

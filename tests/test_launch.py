@@ -10,6 +10,8 @@ from train import engines
 from train.config import UsageError
 from train.engines import Launch, choose_engine, detect_launch
 
+pytestmark = pytest.mark.multiprocess
+
 # a Slurm batch step's own variables: mpirun inside sbatch inherits them (the orted daemons it
 # starts through srun add a step of one task per node)
 SBATCH = {"SLURM_JOB_ID": "7", "SLURM_NTASKS": "2", "SLURM_PROCID": "0", "SLURM_STEP_NUM_TASKS": "1", "SLURM_LOCALID": "0"}

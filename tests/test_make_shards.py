@@ -118,6 +118,7 @@ def test_class_names_with_spaces_and_non_ascii_survive_shards(tmp_path):
     assert loader.num_classes == 4
 
 
+@pytest.mark.slow
 def test_rewriting_replaces_the_whole_set_of_shards(tmp_path):
     tree = clean_tree(tmp_path / "tree", train_per_class=7)  # 14 training images
     assert make_shards(tree, tmp_path / "shards", 3).returncode == 0

@@ -54,6 +54,7 @@ def test_recomputed_bn_statistics_are_those_of_the_last_batches_together():
     assert recompute_bn_statistics(model, [], engine, Precision("fp32", engine.device)) == 0
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("launcher", ["torch", "horovod"])
 def test_recomputed_bn_statistics_span_all_ranks(launcher, tmp_path):
     out = tmp_path / "stats.json"
@@ -65,6 +66,7 @@ def test_recomputed_bn_statistics_span_all_ranks(launcher, tmp_path):
     assert stats["var"] == pytest.approx(stats["expected_var"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_the_run_evaluates_with_statistics_recomputed_over_the_last_batches(tmp_path):
     """--bn-recompute-batches reaches the evaluation: the checkpoint's BN statistics (saved right after
     the last evaluation) are not the running averages, and depend on K."""
@@ -96,6 +98,7 @@ SYNTHETIC = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, 
              "--batch-schedule", "1:16,2:32", "--log-every", 2, "--eval-every", 1]
 
 
+@pytest.mark.slow
 def test_batch_size_control_resumes_bit_exactly_across_a_change_and_is_logged(tmp_path):
     whole = run_train("--out-dir", "whole", *SYNTHETIC, cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
@@ -128,6 +131,7 @@ def test_batch_size_control_resumes_bit_exactly_across_a_change_and_is_logged(tm
     assert checked.returncode == 0 and "SUCCESS" in checked.stdout + checked.stderr
 
 
+@pytest.mark.slow
 def test_the_loop_switches_augmentation_off_when_the_schedule_says_so(tmp_path):
     """With augmentation off the crop settings no longer matter: two runs that differ only in them
     end bit-identical; with it on they differ."""
@@ -154,6 +158,7 @@ TINY = ["--lr", 0.05, "--loader", "synthetic", "--image-size", 16, "--synthetic-
 FP16 = {"TRAINER_ALLOW_CPU_FP16": "1"}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("preset,ranks,extra", [
     ("goyal2017-8k", 1, ["--global-batch-size", 16, "--bn-group-size", 8]),  # ghost BN: 2 groups per rank
     ("akiba2017-32k", 1, ["--global-batch-size", 16]),
@@ -177,6 +182,7 @@ def test_each_seed_preset_trains_a_few_steps(preset, ranks, extra, tmp_path):
         assert [(r["epoch"], r["global_batch"]) for r in records if r["kind"] == "batch"] == [(2, 32)]
 
 
+@pytest.mark.slow
 def test_the_run_uses_ghost_batchnorm_groups_and_a_group_of_the_whole_batch_is_plain_bn(tmp_path):
     base = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,
             "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 1, "--eval-every", 0, "--max-steps", 2]

@@ -16,6 +16,8 @@ from helpers import REPO, launch
 from train import engines
 from train.config import Config
 
+pytestmark = pytest.mark.multiprocess
+
 
 def run_check(engine: str, tmp_path) -> list[dict]:
     result = launch(engine, 4, REPO / "tests" / "helpers" / "overlap_check.py", engine, tmp_path,

@@ -83,6 +83,7 @@ def test_counts_that_differ_from_ilsvrc2012_are_an_error(archives):
     assert len(result.stderr.strip().splitlines()) == 1 and not (archives / "out").exists()
 
 
+@pytest.mark.slow
 def test_miniature_ilsvrc_becomes_an_imagefolder_tree_with_manifest_and_shards(archives, monkeypatch):
     out = archives / "out"
     result = prepare(archives, out, "--allow-partial", "--shards", "--shard-size", "4")
@@ -114,6 +115,7 @@ def test_miniature_ilsvrc_becomes_an_imagefolder_tree_with_manifest_and_shards(a
     assert [len(data.index.load_samples(out / split, WNIDS)) for split in ("train", "val")] == [14, 6]
 
 
+@pytest.mark.slow
 def test_an_interrupted_preparation_resumes_without_redoing_finished_classes(archives):
     out = archives / "out"
     assert prepare(archives, out, "--allow-partial").returncode == 0
@@ -130,6 +132,7 @@ def test_an_interrupted_preparation_resumes_without_redoing_finished_classes(arc
     assert len((out / "manifest.tsv").read_text().splitlines()) == 1 + 14 + 6
 
 
+@pytest.mark.slow
 def test_validation_images_of_classes_without_training_data_are_left_out_and_counted(tmp_path):
     # a devkit of five classes, training archives of the first three, validation images of all five
     wnids = WNIDS + ["n01491361", "n01494475"]

@@ -27,6 +27,7 @@ def lrs(epochs: list[dict], first: int, last: int) -> list:
     return column(epochs, "lr_first", first, last) + column(epochs, "lr_last", first, last)
 
 
+@pytest.mark.slow
 def test_show_recipe_prints_one_json_object_and_trains_nothing(tmp_path):
     result = run_train("--preset", "goyal2017-8k", "--show-recipe", cwd=tmp_path)
     assert result.returncode == 0, result.stderr

@@ -33,6 +33,7 @@ def assert_same_training(a, b):
         assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"]), key
 
 
+@pytest.mark.slow
 def test_a_killed_run_started_again_continues_from_its_step_checkpoint_bit_exactly(tmp_path):
     command = ["--out-dir", "run", *RUN, "--checkpoint-every-steps", 5]
     whole = run_train("--out-dir", "whole", *RUN, cwd=tmp_path)
@@ -58,6 +59,7 @@ def test_a_killed_run_started_again_continues_from_its_step_checkpoint_bit_exact
     assert {15, 16, 20, 25, 30, 32} <= set(written)  # every 5 steps, and at the epoch ends (16 steps each)
 
 
+@pytest.mark.multiprocess
 def test_checkpoints_every_few_minutes_agree_over_two_ranks_and_resume_bit_exactly(tmp_path):
     """Rank 0's clock decides, at the ranks' agreement points (every --stop-check-every steps); a run
     stopped there and started again ends where an uninterrupted one does."""
@@ -77,6 +79,7 @@ def test_checkpoints_every_few_minutes_agree_over_two_ranks_and_resume_bit_exact
             assert torch.equal(a["model"][key], b["model"][key]), key
 
 
+@pytest.mark.multiprocess
 def test_rank_0s_clock_alone_decides_the_minute_checkpoints(tmp_path):
     """Rank 1's clock runs a thousand times slow, so by its own clock no checkpoint is ever due: the
     ranks must still checkpoint together when rank 0's says so (each rank deciding alone would have
@@ -96,6 +99,7 @@ def test_rank_0s_clock_alone_decides_the_minute_checkpoints(tmp_path):
     assert {3, 6, 9} <= set(written), written
 
 
+@pytest.mark.slow
 def test_a_folder_holding_another_run_is_refused_naming_the_settings(tmp_path):
     first = run_train("--out-dir", "run", *RUN, "--max-steps", 3, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -114,6 +118,7 @@ def test_a_folder_holding_another_run_is_refused_naming_the_settings(tmp_path):
     assert weights(tmp_path / "run")["step"] == 6
 
 
+@pytest.mark.slow
 def test_a_folder_holding_a_runs_logs_but_no_checkpoint_is_refused_not_restarted(tmp_path):
     """A folder holding a run's logs (metrics.jsonl, mllog.txt) but neither its checkpoint.pt nor its
     config.yaml has nothing to continue from and no record of what run it was: a start there is
@@ -149,6 +154,7 @@ def test_the_run_directory_is_judged_as_it_is_at_the_check_not_when_the_flags_we
     _check_out_dir(cfg)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("variable, value, folder", [("SLURM_JOB_ID", "4242", "smoke-slurm-4242"),
                                                      ("TORCHELASTIC_RUN_ID", "job7", "smoke-torchrun-job7")])
 def test_without_out_dir_the_run_directory_comes_from_the_job_and_a_restart_finds_it(tmp_path, variable, value,
@@ -162,6 +168,7 @@ def test_without_out_dir_the_run_directory_comes_from_the_job_and_a_restart_find
     assert weights(tmp_path / "runs" / folder)["step"] == 5
 
 
+@pytest.mark.slow
 def test_without_a_job_id_each_start_is_a_new_timestamped_run(tmp_path):
     env = {"SLURM_JOB_ID": "", "TORCHELASTIC_RUN_ID": "none"}
     first = run_train(*RUN, "--max-steps", 1, cwd=tmp_path, env=env)
@@ -180,6 +187,7 @@ def fc_free_run(tmp_path, name, *flags):
     return result, weights(tmp_path / name)["model"]
 
 
+@pytest.mark.slow
 def test_init_from_another_runs_checkpoint_or_a_torchvision_state_dict(tmp_path):
     source = run_train("--out-dir", "source", *RUN, "--max-steps", 4, "--seed", 3, cwd=tmp_path)
     assert source.returncode == 0, source.stderr

@@ -14,6 +14,7 @@ def weights(run_dir):
     return torch.load(run_dir / "checkpoint.pt", weights_only=False)
 
 
+@pytest.mark.slow
 def test_resume_mid_epoch_is_bit_identical(tmp_path):
     whole = run_train("--out-dir", "whole", *RUN, cwd=tmp_path)
     assert whole.returncode == 0, whole.stderr
@@ -33,6 +34,7 @@ def test_resume_mid_epoch_is_bit_identical(tmp_path):
         assert torch.equal(state["momentum_buffer"], b["optimizer"]["state"][key]["momentum_buffer"])
 
 
+@pytest.mark.slow
 def test_fp16_loss_scaler_state_resumes(tmp_path):
     """fp16 with loss scaling on CPU (allowed for tests): the scaler's state travels in the checkpoint,
     so a run interrupted after an overflow halved the scale ends where an uninterrupted one does."""
@@ -61,6 +63,7 @@ SHORT = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--s
          "--log-every", 2]
 
 
+@pytest.mark.slow
 def test_a_finished_run_started_again_says_so_and_changes_nothing(tmp_path):
     done = run_train("--out-dir", "run", *SHORT, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
@@ -75,6 +78,7 @@ def test_a_finished_run_started_again_says_so_and_changes_nothing(tmp_path):
     assert longer.returncode == 0 and "resuming run at step 16" in longer.stdout, longer.stderr
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_max_steps_resumed_with_the_same_limit_changes_nothing(tmp_path):
     first = run_train("--out-dir", "run", *SHORT, "--max-steps", 5, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -84,6 +88,7 @@ def test_a_run_stopped_by_max_steps_resumed_with_the_same_limit_changes_nothing(
     assert files_of(tmp_path / "run") == before
 
 
+@pytest.mark.slow
 def test_a_resumed_run_marks_its_segment_and_keeps_seconds_running(tmp_path):
     first = run_train("--out-dir", "run", *SHORT, "--max-steps", 8, "--eval-every", 0, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -102,6 +107,7 @@ def test_a_resumed_run_marks_its_segment_and_keeps_seconds_running(tmp_path):
     assert len(steps) == len(set(steps))  # no step logged twice
 
 
+@pytest.mark.slow
 def test_the_class_count_is_recorded_checked_on_resume_and_may_be_absent_in_older_runs(tmp_path):
     first = run_train("--out-dir", "run", *SHORT, "--max-steps", 5, "--eval-every", 0, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -122,6 +128,7 @@ def each_position_once(count: int) -> dict:
     return {"count": count, "sum": count * (count - 1) // 2, "sum_sq": sum(p * p for p in range(count))}
 
 
+@pytest.mark.multiprocess
 def test_a_run_continued_on_another_rank_count_keeps_its_global_batch_and_trains_each_image_once(tmp_path):
     """3 ranks, then 2 (what an elastic launcher does after losing a node), then 1: the per-rank batch
     follows the run's global batch, whatever --batch-size says; every epoch's positions are trained
@@ -149,6 +156,7 @@ def test_a_run_continued_on_another_rank_count_keeps_its_global_batch_and_trains
     assert too_many.returncode != 0 and "does not divide over 5 ranks" in too_many.stderr
 
 
+@pytest.mark.multiprocess
 def test_a_horovod_run_resumes_with_its_optimizer_state(tmp_path):
     """Horovod's DistributedOptimizer is a new optimizer over the same parameters: the resumed run's
     momentum must reach it (2 ranks: the averaged gradients are exact, so the runs agree bit for bit)."""
@@ -168,6 +176,7 @@ def test_a_horovod_run_resumes_with_its_optimizer_state(tmp_path):
             assert torch.equal(a["model"][key], b["model"][key]), key
 
 
+@pytest.mark.slow
 def test_a_run_lost_before_its_first_checkpoint_starts_again_when_restarted(tmp_path):
     """A restart (the same command) finding config.yaml and logs but no checkpoint starts the run again
     from step 0 with fresh logs, instead of refusing the folder."""

@@ -26,6 +26,7 @@ def done_line(result) -> str:
     return next(line for line in result.stdout.splitlines() if line.startswith("done: "))
 
 
+@pytest.mark.slow
 def test_the_done_line_counts_this_segment_and_says_one_step(tmp_path):
     first = run_train("--out-dir", "run", *RUN, "--max-steps", 1, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -36,6 +37,7 @@ def test_the_done_line_counts_this_segment_and_says_one_step(tmp_path):
     assert re.match(r"done: step 5 \(4 steps, 32 images in [\d.]+ s since the resume at step 1; 40 images in all\)", line), line
 
 
+@pytest.mark.slow
 def test_a_restarts_batch_size_that_the_run_overrides_is_said(tmp_path):
     first = run_train("--out-dir", "run", *RUN, "--max-steps", 1, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
@@ -48,6 +50,7 @@ def test_a_restarts_batch_size_that_the_run_overrides_is_said(tmp_path):
     assert same.returncode == 0 and "not taken" not in same.stdout, same.stdout  # the run's own: nothing to say
 
 
+@pytest.mark.slow
 def test_a_preempted_run_without_out_dir_names_the_out_dir_to_restart_with(tmp_path):
     job = subprocess.Popen([sys.executable, "-m", "train", *map(str, RUN), "--epochs", "50"], cwd=tmp_path,
                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -84,6 +87,7 @@ def test_compute_threads_share_the_cores_with_the_ranks_and_a_gpu_runs_loader():
     assert compute_threads(settings(workers=cores), 1, True, env={}) == 1  # never below one
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flags", [["--threads", 3], []])
 def test_the_header_says_the_threads_and_threads_sets_them(tmp_path, flags):
     env = {"OMP_NUM_THREADS": ""}  # unset for the child: the trainer's own rule decides

@@ -149,6 +149,7 @@ def _starts(mllog):
     return sum('"key": "run_start"' in line for line in mllog.read_text().splitlines())
 
 
+@pytest.mark.multiprocess
 def test_a_second_job_on_a_running_jobs_directory_is_refused_and_writes_nothing(tmp_path, jobs):
     command = ["--out-dir", "run", *RUN, "--epochs", 50, "--checkpoint-every-steps", 2]
     first = _start(jobs, tmp_path, *command)
@@ -173,6 +174,7 @@ def test_a_second_job_on_a_running_jobs_directory_is_refused_and_writes_nothing(
     assert not (run_dir / runlock.LOCK_NAME).exists()  # released at the end
 
 
+@pytest.mark.multiprocess
 def test_two_jobs_started_at_once_on_a_new_directory_one_runs_the_other_is_refused(tmp_path, jobs):
     command = ["--out-dir", "run", *RUN, "--epochs", 50]
     both = [_start(jobs, tmp_path, *command) for _ in range(2)]

@@ -43,6 +43,7 @@ def run_dir(tmp_path):
     return tmp_path / "run"
 
 
+@pytest.mark.slow
 def test_everything_the_trainer_saves_loads_as_plain_data(tmp_path):
     """fp16's loss scaler state, the rmsprop-warmup optimizer's state and the config all pass weights_only."""
     result = run_train("--out-dir", "run", *TINY, "--max-steps", 3, "--precision", "fp16", "--optimizer",
@@ -53,6 +54,7 @@ def test_everything_the_trainer_saves_loads_as_plain_data(tmp_path):
     assert state["optimizer"]["state"]  # per-parameter buffers are there
 
 
+@pytest.mark.slow
 def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_runs(run_dir, tmp_path):
     marker = tmp_path / "MARKER"
     real = torch.load(run_dir / "checkpoint.pt", weights_only=True)
@@ -72,6 +74,7 @@ def test_a_checkpoint_whose_pickle_would_run_code_is_refused_and_nothing_runs(ru
     assert not (tmp_path / "fresh").exists()  # refused before the run directory was made
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["truncated", "not a checkpoint"])
 def test_a_damaged_checkpoint_is_refused_in_one_line(run_dir, tmp_path, damage):
     path = run_dir / "checkpoint.pt"

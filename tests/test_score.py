@@ -50,6 +50,7 @@ def score(*args, cwd):
     return result
 
 
+@pytest.mark.slow
 def test_valid_flops_arithmetic_on_a_hand_made_log(tmp_path):
     make_run(tmp_path, "run", [(1000.0, 0.70), (1800.0, 0.765)], stop_s=2000.0)
     result = score(tmp_path / "run", "--json", "--no-check", cwd=tmp_path)
@@ -69,6 +70,7 @@ def test_valid_flops_arithmetic_on_a_hand_made_log(tmp_path):
     assert json.loads(other.stdout)["valid_flops"] == pytest.approx(flops * (0.765 / 0.8) ** 10)
 
 
+@pytest.mark.slow
 def test_the_class_count_a_run_recorded_is_used_and_older_runs_are_guessed(tmp_path):
     # A run from before runs recorded num_classes: the embedded dataset (no data_dir), so ten classes.
     old = make_run(tmp_path, "old", [(100, 0.5)], stop_s=100, images=20_000, eval_images=3_000,
@@ -90,6 +92,7 @@ def test_the_class_count_a_run_recorded_is_used_and_older_runs_are_guessed(tmp_p
     assert got["recorded"]["flops"] == pytest.approx((ten + difference) / 100.0)
 
 
+@pytest.mark.slow
 def test_olympic_mean_with_and_without_a_run_that_missed_the_target(tmp_path):
     for i, t in enumerate([100, 90, 130, 110, 120]):
         make_run(tmp_path, f"ok{i}", [(t, 0.76)], stop_s=t)
@@ -112,6 +115,7 @@ def test_runs_of_different_configurations_get_no_mlperf_score(tmp_path):
     assert result.returncode == 0 and "different configurations" in result.stdout
 
 
+@pytest.mark.slow
 def test_published_result_against_hand_arithmetic(tmp_path):
     result = score("--time-s", 74.7, "--top1", 0.7508, "--epochs", 90, "--json", cwd=tmp_path)  # Yamazaki et al. 2019
     assert result.returncode == 0, result.stderr
@@ -173,6 +177,7 @@ def test_keys_a_preset_leaves_out_are_compared_with_the_trainer_defaults(tmp_pat
     assert level == "system" and "end_lr, lars_eta changed" in reason
 
 
+@pytest.mark.slow
 def test_system_level_on_a_scored_run(tmp_path):
     changed = make_run(tmp_path, "changed", [(100, 0.76)], stop_s=100,
                        config={**trainer_config("--preset", "mlperf-bs3264"), "lars_eta": 0.002})
@@ -184,6 +189,7 @@ def test_system_level_on_a_scored_run(tmp_path):
     assert got["hpc_ai500_level"] == "system" and "no reference recipe preset" in got["level_reason"]
 
 
+@pytest.mark.slow
 def test_crashed_truncated_and_unevaluated_runs(tmp_path):
     crashed = make_run(tmp_path, "crashed", [(100, 0.5), (200, 0.6)])  # no run_stop
     with open(crashed / "mllog.txt", "a") as f:
@@ -205,6 +211,7 @@ def test_crashed_truncated_and_unevaluated_runs(tmp_path):
     assert "not after run_start" in score(backwards, cwd=tmp_path).stderr
 
 
+@pytest.mark.slow
 def test_compliance_verdict_and_report_on_real_runs(tmp_path):
     # One epoch trained in full: a run that ended by itself gets the checker's verdict. Run a's --max-steps is
     # its epoch's steps: reached as the epoch ends, it cut nothing short.
@@ -249,6 +256,7 @@ def steps_per_epoch(run):
     return train_images // yaml.safe_load((run / "config.yaml").read_text())["global_batch_size"]
 
 
+@pytest.mark.slow
 def test_a_run_stopped_by_max_steps_says_so_and_gets_no_verdict(max_steps_run, tmp_path):
     from helpers import compliance
     config = yaml.safe_load((max_steps_run / "config.yaml").read_text())
@@ -265,6 +273,7 @@ def test_a_run_stopped_by_max_steps_says_so_and_gets_no_verdict(max_steps_run, t
     assert any(row.startswith("cut: MLPerf: no verdict: stopped at max-steps") for row in rows)
 
 
+@pytest.mark.slow
 def test_a_running_run_is_running_a_preempted_one_preempted_and_resumable_not_crashed(tmp_path):
     from helpers import kill_tree, start, wait_until
     from train import checkpoint
@@ -295,6 +304,7 @@ def test_a_running_run_is_running_a_preempted_one_preempted_and_resumable_not_cr
     assert got["status"] == "crashed" and got["mlperf_compliant"] is None and "crashed" in got["mlperf_verdict"]
 
 
+@pytest.mark.slow
 def test_each_problem_is_said_once_and_a_missing_path_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     result = score("runs/x", "empty", cwd=tmp_path)
@@ -357,6 +367,7 @@ def resumed_run(root, stop=True, first_stop=None):
     return run
 
 
+@pytest.mark.slow
 def test_a_resumed_run_is_measured_in_training_time(tmp_path):
     run = resumed_run(tmp_path)
     result = score(run, "--json", "--no-check", cwd=tmp_path)

@@ -9,6 +9,8 @@ import torch
 
 from helpers import REPO, compliance, read_metrics
 
+pytestmark = pytest.mark.multiprocess
+
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from helpers import child_env, read_metrics, run_train
@@ -34,6 +36,7 @@ def expected(run_dir) -> dict[str, dict[int, float]]:
     return found
 
 
+@pytest.mark.slow
 def test_a_runs_records_are_tensorboard_scalars_and_a_resumed_run_continues_its_curves(tmp_path):
     command = ["--out-dir", "run", *RUN, "--checkpoint-every-steps", 10]
     run_dir = tmp_path / "run"

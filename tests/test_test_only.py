@@ -26,11 +26,13 @@ def refused(result, *words):
     return lines[0]
 
 
+@pytest.mark.slow
 def test_another_arch_is_one_line(trained):
     result = run_train("--test-only", "--out-dir", trained / "run", "--arch", "resnet50", cwd=trained)
     refused(result, "holds a resnet18", "--arch resnet50")
 
 
+@pytest.mark.slow
 def test_data_with_other_class_names_is_refused_by_name(trained, tmp_path):
     make_tree(tmp_path / "other", ["apple", "plum"], ["apple", "plum"])  # as many classes, another name
     result = run_train("--test-only", "--out-dir", trained / "run", "--data-dir", tmp_path / "other", cwd=tmp_path)
@@ -40,6 +42,7 @@ def test_data_with_other_class_names_is_refused_by_name(trained, tmp_path):
     refused(again, "not those of the run")
 
 
+@pytest.mark.slow
 def test_a_training_split_smaller_than_a_global_batch_does_not_stop_an_evaluation(trained, tmp_path):
     make_tree(tmp_path / "small", ["apple", "pear"], ["apple", "pear"], images_per_class=1)  # 2 < global batch 4
     result = run_train("--test-only", "--out-dir", trained / "run", "--data-dir", tmp_path / "small", cwd=tmp_path)

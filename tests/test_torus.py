@@ -10,6 +10,8 @@ from helpers import REPO, launch
 from train import engines
 from train.config import Config, UsageError
 
+pytestmark = pytest.mark.multiprocess
+
 
 def test_the_grid_has_lines_of_consecutive_ranks_and_columns_across_them():
     assert engines.torus_grid(4, 2) == ([(0, 1), (2, 3)], [(0, 2), (1, 3)])

@@ -25,6 +25,7 @@ def short_run(tmp_path_factory):
     return cwd, cwd / "run", result
 
 
+@pytest.mark.slow
 def test_short_run_writes_a_complete_run_directory(short_run):
     cwd, run_dir, result = short_run
     assert {p.name for p in run_dir.iterdir()} >= {"mllog.txt", "metrics.jsonl", "checkpoint.pt", "config.yaml"}
@@ -57,6 +58,7 @@ def test_short_run_log_passes_the_real_compliance_checker(short_run):
             "eval_samples", "block_start", "block_stop", "eval_accuracy", "run_stop"} <= keys
 
 
+@pytest.mark.slow
 def test_closed_division_fails_only_on_the_accuracy_target(tmp_path):
     result = run_train("--out-dir", "run", *FEW_STEPS, "--division", "closed", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
@@ -76,6 +78,7 @@ def test_synthetic_loader_trains_a_few_steps(tmp_path):
     assert evals[-1]["eval_images"] == 20
 
 
+@pytest.mark.slow
 def test_own_imagenet_layout_tree_with_flags(tmp_path):
     source = ensure_embedded()
     tree = tmp_path / "mydata"
@@ -125,6 +128,7 @@ def test_lr_per_256_scales_with_the_global_batch(tmp_path):
     assert float(base_lr.group(1)) == pytest.approx(0.1 * 16 / 256)
 
 
+@pytest.mark.slow
 def test_bf16_on_cpu_computes_in_bf16(tmp_path):
     args = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 32, "--global-batch-size", 8,
             "--synthetic-images", 32, "--synthetic-classes", 10, "--max-steps", 3, "--log-every", 1, "--eval-every", 0]
@@ -140,6 +144,7 @@ def test_bf16_on_cpu_computes_in_bf16(tmp_path):
     assert '"value": "bf16"' in (tmp_path / "bf16" / "mllog.txt").read_text()
 
 
+@pytest.mark.slow
 def test_logged_lr_follows_warmup_and_polynomial_decay(tmp_path):
     """10 steps per epoch, 1 warmup epoch, 3 epochs, peak 2.0, end 1e-4, power 2; values by hand."""
     result = run_train("--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16,
@@ -162,6 +167,7 @@ def test_a_warmup_longer_than_the_run_is_cut_and_said(tmp_path):
     assert lr[4] == pytest.approx(2.0) and lr[10] == pytest.approx(1e-4)  # peak after 4 steps, the end LR at the end
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [["--eval-every", 4, "--epochs", 5], ["--optimizer", "sgd", "--max-steps", 3]])
 def test_mlperf_schedules_and_sgd_pass_the_compliance_checker(tmp_path, extra):
     result = run_train("--out-dir", "run", "--arch", "resnet18", "--workers", 1, *extra, cwd=tmp_path)
@@ -192,6 +198,7 @@ def test_a_checkpoint_that_cannot_be_written_ends_the_run_with_exit_3(tmp_path):
     assert '"status": "aborted"' in (tmp_path / "run" / "mllog.txt").read_text().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_target_accuracy_stops_the_run_early(tmp_path):
     result = run_train("--out-dir", "run", "--arch", "resnet18", "--target-accuracy", 0.3, "--workers", 1, cwd=tmp_path)
     assert result.returncode == 0, result.stderr

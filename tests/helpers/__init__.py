@@ -47,7 +47,7 @@ def launch_command(launcher: str, nproc: int, *args) -> list[str]:
     args = list(map(str, args))
     if launcher == "torch":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-                "--master-port", str(29400 + os.getpid() % 500), *args]
+                "--master-port", str(free_port()), *args]
     if launcher in ("horovod", "horovod-mpi"):
         return [str(BIN / "horovodrun"), "-np", str(nproc), "-H", f"localhost:{nproc}",
                 "--gloo" if launcher == "horovod" else "--mpi", sys.executable, *args]
