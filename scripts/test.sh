@@ -5,7 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-# the test files run on parallel workers, one file to a worker (pytest-xdist): most tests wait on the
+# the test files run on parallel workers, one file to a worker (pytest-xdist), in the order
+# tests/conftest.py gives them (most work first; not xdist's own, by test count): most tests wait on the
 # processes they start, so two workers keep a 2-core machine busy; TEST_WORKERS=0 runs them one by one
 workers=${TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
-exec .venv/bin/python -m pytest -ra -n "$workers" --dist loadfile "$@"
+exec .venv/bin/python -m pytest -ra -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

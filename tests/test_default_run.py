@@ -6,7 +6,7 @@ import pytest
 from helpers import compliance, read_metrics, run_train
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=120)  # the first file started: the longest single test
 def test_default_run_learns_the_embedded_dataset(tmp_path):
     result = run_train(cwd=tmp_path, timeout=900)
     assert result.returncode == 0, result.stderr

@@ -112,7 +112,7 @@ def test_warmup_never_takes_most_of_a_short_run():
     assert lr_and_warmup(Config(epochs=10, warmup_epochs=6, lr=1), 64)[1] == 6  # given and shorter: kept
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=90)
 def test_own_small_dataset_with_plain_defaults_trains_well(tmp_path):
     """A user's own dataset of 2,000 small images, ResNet-50 at 32 px, --batch-size 64 --epochs 6
     and no other tuning: the LR and warmup chosen from the batch reach what the tuned smoke run does."""
