@@ -51,6 +51,7 @@ def parsed(path: Path) -> ast.Module:
     return ast.parse(path.read_text())
 
 
+@cache
 def bindings(path: Path) -> dict[str, tuple[str, str | None]]:
     """Names a file imports (anywhere in it): name -> (module, attribute or None for a module itself)."""
     bound = {}
@@ -117,6 +118,7 @@ def program(text: str) -> set[str]:
     return set()
 
 
+@cache
 def functions(path: Path) -> dict[str, ast.AST]:
     """The file's functions (fixtures and helpers too) and classes' methods, by name; '' is the file's
     own top-level code (run when it is imported)."""
@@ -154,9 +156,9 @@ def reached(path: Path, name: str, seen: set | None = None) -> set[str]:
     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         used |= {a.arg for a in node.args.args}  # fixtures, by their parameter names
     for attribute in (n for n in ast.walk(node) if isinstance(n, ast.Attribute)):
-        chain = dotted(attribute)
-        if chain and chain.split(".")[0] in bound and bound[chain.split(".")[0]][1] is None:
-            module = bound[chain.split(".")[0]][0] + chain[len(chain.split(".")[0]):]
+        first, _, rest = (dotted(attribute) or "").partition(".")
+        if first in bound and bound[first][1] is None:  # module.attribute...: the deepest module of the chain
+            module = ".".join(filter(None, [bound[first][0], rest]))
             while module and not module_file(module):
                 module = module.rpartition(".")[0]
             if module and ours(module):
