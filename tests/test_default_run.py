@@ -8,7 +8,7 @@ from helpers import compliance, read_metrics, run_train
 
 @pytest.mark.slow(seconds=120)  # the first file started: the longest single test
 def test_default_run_learns_the_embedded_dataset(tmp_path):
-    result = run_train(cwd=tmp_path, timeout=900)
+    result = run_train(cwd=tmp_path, timeout=900, fresh=True)  # the README's command, from its start
     assert result.returncode == 0, result.stderr
     run_dirs = list((tmp_path / "runs").iterdir())
     assert len(run_dirs) == 1 and run_dirs[0].name.startswith("smoke-")

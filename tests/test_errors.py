@@ -12,8 +12,8 @@ from train.config import parse
 TINY = ["--arch", "resnet18", "--image-size", 32, "--workers", 0]
 
 
-def expect_usage_error(tmp_path, *args, match):
-    result = run_train("--out-dir", "run", *args, cwd=tmp_path)
+def expect_usage_error(tmp_path, *args, match, fresh=False):
+    result = run_train("--out-dir", "run", *args, cwd=tmp_path, fresh=fresh)
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and match in lines[0], result.stderr
@@ -55,8 +55,8 @@ def test_train_val_class_mismatch(tmp_path):
     expect_usage_error(tmp_path, "--data-dir", tree, *TINY, match="train and val classes differ")
 
 
-def test_unknown_arch(tmp_path):
-    expect_usage_error(tmp_path, "--arch", "resnet51", match="unknown --arch 'resnet51'")
+def test_unknown_arch(tmp_path):  # in a new interpreter, as a user's command line starts
+    expect_usage_error(tmp_path, "--arch", "resnet51", match="unknown --arch 'resnet51'", fresh=True)
 
 
 def test_unknown_preset(tmp_path):

@@ -4,13 +4,12 @@ import os
 import shutil
 import signal
 import struct
-import subprocess
 import sys
 
 import pytest
 import yaml
 
-from helpers import run_train
+from helpers import run_module, run_train
 from models import eval_flops_per_image, train_flops_per_image
 
 T0 = 1_700_000_000_000  # run_start, ms
@@ -45,9 +44,7 @@ def make_run(root, name, evals, stop_s=None, images=1_000_000, eval_images=50_00
 
 
 def score(*args, cwd):
-    result = subprocess.run([sys.executable, "-m", "train.score", *map(str, args)], capture_output=True, text=True,
-                            cwd=cwd, timeout=300)
-    return result
+    return run_module("train.score", *args, cwd=cwd, timeout=300)
 
 
 @pytest.mark.slow

@@ -10,10 +10,81 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def run_train(*args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
-    """`python -m train ARGS` in a fresh process, as a user would run it."""
-    return subprocess.run([sys.executable, "-m", "train", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, timeout=timeout, env=child_env(**(env or {})))
+def run_train(*args, cwd, timeout=600, env=None, fresh=False) -> subprocess.CompletedProcess:
+    """`python -m train ARGS` in a process of its own, as a user would run it (see run_module)."""
+    return run_module("train", *args, cwd=cwd, timeout=timeout, env=env, fresh=fresh)
+
+
+def run_module(module: str, *args, cwd, timeout=600, env=None, fresh=False) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (one of the project's) in a process of its own: forked from this test
+    worker's warm trainer (tests/helpers/warm_train.py: the same run without the 2.5 s of imports), or
+    with `fresh` a new interpreter."""
+    command = [sys.executable, "-m", module, *map(str, args)]
+    if fresh:
+        return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                              env=child_env(**(env or {})))
+    return _warm_trainer().run(command, cwd, timeout, child_env(**(env or {})))
+
+
+class _WarmTrainer:
+    """The client of one warm_train.py server, started on first use and ended with this process
+    (its standard input closes)."""
+
+    def __init__(self):
+        import atexit
+        import shutil
+        import tempfile
+        self.folder = Path(tempfile.mkdtemp(prefix="warm-train-"))
+        atexit.register(shutil.rmtree, self.folder, ignore_errors=True)
+        self.server = subprocess.Popen([sys.executable, str(Path(__file__).with_name("warm_train.py"))],
+                                       cwd=REPO, env=child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                       stderr=open(self.folder / "server.log", "w"))
+        self.replies = b""
+
+    def run(self, command: list, cwd, timeout: float, env: dict) -> subprocess.CompletedProcess:
+        import signal
+        out, err = self.folder / "stdout", self.folder / "stderr"
+        request = {"module": command[2], "argv": command[3:], "cwd": str(Path(cwd).resolve()), "env": env, "stdout": str(out),
+                   "stderr": str(err)}
+        self.server.stdin.write(json.dumps(request).encode() + b"\n")
+        self.server.stdin.flush()
+        pid = self._reply()["pid"]
+        ended = self._reply(timeout)
+        if ended is None:
+            os.kill(pid, signal.SIGKILL)
+            self._reply()
+            raise subprocess.TimeoutExpired(command, timeout, out.read_text(errors="replace"),
+                                            err.read_text(errors="replace"))
+        return subprocess.CompletedProcess(command, ended["returncode"], out.read_text(errors="replace"),
+                                           err.read_text(errors="replace"))
+
+    def _reply(self, timeout: float | None = None) -> dict | None:
+        """The server's next line, or None if none came within `timeout` seconds."""
+        import select
+        import time
+        deadline = None if timeout is None else time.monotonic() + timeout
+        fd = self.server.stdout.fileno()
+        while b"\n" not in self.replies:
+            wait = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not select.select([fd], [], [], wait)[0]:
+                return None
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                log = (self.folder / "server.log").read_text()
+                raise RuntimeError(f"the warm trainer (tests/helpers/warm_train.py) ended: {log[-2000:]}")
+            self.replies += chunk
+        line, self.replies = self.replies.split(b"\n", 1)
+        return json.loads(line)
+
+
+_warm = None
+
+
+def _warm_trainer() -> _WarmTrainer:
+    global _warm
+    if _warm is None or _warm.server.poll() is not None:
+        _warm = _WarmTrainer()
+    return _warm
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
@@ -58,6 +129,8 @@ def launch_command(launcher: str, nproc: int, *args) -> list[str]:
 
 
 def launch(launcher: str, nproc: int, *args, cwd, timeout=600, env=None) -> subprocess.CompletedProcess:
+    if launcher == "none" and list(map(str, args[:2])) == ["-m", "train"]:  # a plain trainer: the warm one
+        return run_train(*args[2:], cwd=cwd, timeout=timeout, env=env)
     return subprocess.run(launch_command(launcher, nproc, *args), cwd=cwd, capture_output=True, text=True,
                           timeout=timeout, env=child_env(**(env or {})))
 
