@@ -7,7 +7,7 @@ import torch
 
 from helpers import run_train
 from data.embedded import ensure_embedded
-from train.config import parse
+from train.cli import parse
 
 TINY = ["--arch", "resnet18", "--image-size", 32, "--workers", 0]
 

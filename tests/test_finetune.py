@@ -10,7 +10,8 @@ import torch
 import torchvision
 
 from helpers import run_train
-from train.config import Config, UsageError
+from train.config import Config
+from train.errors import UsageError
 from train.startup import init_weights
 
 RUN = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,

@@ -9,7 +9,7 @@ import torch
 from helpers import REPO, launch
 from models.batchnorm import GroupBatchNorm2d, convert_batchnorm
 from train.config import Config
-from train.engines import SingleProcess
+from train.engines.single import SingleProcess
 
 C = 3
 

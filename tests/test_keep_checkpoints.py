@@ -9,7 +9,9 @@ import torch
 
 from helpers import read_metrics, run_train
 from train import checkpoint
-from train.config import Config, UsageError, parse
+from train.cli import parse
+from train.config import Config
+from train.errors import UsageError
 from train.startup import init_weights
 
 # 32 images at global batch 8: 4 steps per epoch; an evaluation after every epoch. Seed 1's evaluations

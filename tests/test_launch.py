@@ -6,9 +6,9 @@ import re
 import pytest
 
 from helpers import REPO, launch, read_metrics
-from train import engines
-from train.config import UsageError
-from train.engines import Launch, choose_engine, detect_launch
+from train.errors import UsageError
+from train.engines import launch as launch_detection
+from train.engines.launch import Launch, choose_engine, detect_launch
 
 pytestmark = pytest.mark.multiprocess
 
@@ -37,12 +37,12 @@ def test_launch_detection_follows_the_stated_precedence(env, expected):
 
 
 def test_engine_choice_for_each_launcher(monkeypatch):
-    monkeypatch.setattr(engines, "_horovod_with_mpi", lambda: True)
+    monkeypatch.setattr(launch_detection, "_horovod_with_mpi", lambda: True)
     assert [choose_engine("auto", launch, {}) for launch in (
         Launch("none"), Launch("horovodrun", 0, 2), Launch("torchrun", 0, 2), Launch("srun", 0, 2),
         Launch("mpirun", 0, 2), Launch("mpirun", 0, 1))] == ["none", "horovod", "torch", "torch", "horovod", "none"]
     assert choose_engine("torch", Launch("mpirun", 0, 2), {}) == "torch"  # a flag wins over the launcher
-    monkeypatch.setattr(engines, "_horovod_with_mpi", lambda: False)
+    monkeypatch.setattr(launch_detection, "_horovod_with_mpi", lambda: False)
     assert choose_engine("auto", Launch("mpirun", 0, 2), {"MASTER_ADDR": "node1"}) == "torch"
     with pytest.raises(UsageError, match="Horovod with MPI is not installed"):
         choose_engine("auto", Launch("mpirun", 0, 2), {})

@@ -9,7 +9,7 @@ import torch
 from helpers import REPO, compliance, launch, read_metrics, run_train
 from data.sharding import TrainBatchSampler
 from train.bnstats import recompute_bn_statistics
-from train.engines import SingleProcess
+from train.engines.single import SingleProcess
 from train.config import Config
 from train.optim import RMSpropWarmup
 from train.precision import Precision

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import REPO, launch
-from train import engines
+from train.engines import horovod as horovod_engine
 from train.config import Config
 
 pytestmark = pytest.mark.multiprocess
@@ -66,11 +66,11 @@ def test_horovod_starts_each_bucket_during_backward_and_issues_the_same_there_on
 
 
 def test_horovod_runs_its_own_hierarchical_all_reduce_only_on_gpus_across_nodes_with_nccl_and_mpi():
-    assert engines.horovod_hierarchical(nccl_built=2, mpi_enabled=True, device_type="cuda", nodes=2)
-    assert not engines.horovod_hierarchical(0, True, "cuda", 2)  # no NCCL
-    assert not engines.horovod_hierarchical(2, False, "cuda", 2)  # gloo: Horovod's is an MPI operation
-    assert not engines.horovod_hierarchical(2, True, "cpu", 2)
-    assert not engines.horovod_hierarchical(2, True, "cuda", 1)  # one node: Horovod ignores it
+    assert horovod_engine.horovod_hierarchical(nccl_built=2, mpi_enabled=True, device_type="cuda", nodes=2)
+    assert not horovod_engine.horovod_hierarchical(0, True, "cuda", 2)  # no NCCL
+    assert not horovod_engine.horovod_hierarchical(2, False, "cuda", 2)  # gloo: Horovod's is an MPI operation
+    assert not horovod_engine.horovod_hierarchical(2, True, "cpu", 2)
+    assert not horovod_engine.horovod_hierarchical(2, True, "cuda", 1)  # one node: Horovod ignores it
 
 
 @pytest.mark.parametrize("allreduce, cuda, nccl, expected", [("hierarchical", True, 2, "1"),
@@ -87,8 +87,8 @@ def test_horovod_is_asked_for_its_hierarchical_all_reduce_before_init(allreduce,
     environ = {k: v for k, v in os.environ.items() if k != variable}
     monkeypatch.setattr(os, "environ", {**environ, "OMP_NUM_THREADS": "1"})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
-    monkeypatch.setattr(engines, "_device", lambda local_rank: torch.device("cpu"))
-    engines.Horovod(Config(engine="horovod", allreduce=allreduce, ranks_per_node=1))
+    monkeypatch.setattr(horovod_engine, "local_device", lambda local_rank: torch.device("cpu"))
+    horovod_engine.Horovod(Config(engine="horovod", allreduce=allreduce, ranks_per_node=1))
     assert seen == {"at_init": expected}
 
 
@@ -113,7 +113,7 @@ class SpinningHorovod:
 def test_horovod_waits_sleep_instead_of_taking_a_core_on_cpu():
     hvd = SpinningHorovod(after=0.3)
     start, cpu = time.monotonic(), time.thread_time()
-    assert engines.horovod_result(hvd, "handle", torch.device("cpu")) == "handle"
+    assert horovod_engine.horovod_result(hvd, "handle", torch.device("cpu")) == "handle"
     # waited the whole 0.3 s for the result, but slept through it (Horovod's own wait burns the core)
     assert time.monotonic() - start >= 0.3 and time.thread_time() - cpu < 0.1
     assert hvd.polls > 1 and hvd.synchronized == 1
@@ -121,5 +121,5 @@ def test_horovod_waits_sleep_instead_of_taking_a_core_on_cpu():
 
 def test_horovod_waits_are_horovods_own_on_a_gpu_host():
     hvd = SpinningHorovod(after=0.0)  # a GPU host has cores to spare: Horovod's wait as it is
-    engines.horovod_result(hvd, "handle", torch.device("cuda"))
+    horovod_engine.horovod_result(hvd, "handle", torch.device("cuda"))
     assert (hvd.polls, hvd.synchronized) == (0, 1)

@@ -7,7 +7,9 @@ import pytest
 
 from helpers import run_train
 from data.embedded import ensure_embedded
-from train.config import Config, UsageError, parse
+from train.cli import parse
+from train.config import Config
+from train.errors import UsageError
 from train.recipe import recipe, show_recipe
 from train.schedule import EpochClock, SgdShareRamp, build_schedule
 

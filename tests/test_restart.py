@@ -142,7 +142,8 @@ def test_the_run_directory_is_judged_as_it_is_at_the_check_not_when_the_flags_we
     """Under Horovod Elastic every worker checks the folder itself: a worker that read its flags before
     rank 0 made the run (config.yaml first, then the logs) must not take rank 0's new files for another
     run's; the same files without config.yaml are another run's."""
-    from train.config import Config, UsageError
+    from train.config import Config
+    from train.errors import UsageError
     from train.startup import _check_out_dir
     run = tmp_path / "run"
     run.mkdir()

@@ -8,7 +8,9 @@ import yaml
 
 from helpers import read_metrics, run_train
 from data.embedded import ensure_embedded
-from train.config import Config, UsageError, parse
+from train.cli import parse
+from train.config import Config
+from train.errors import UsageError
 from train.rules import batch_sizes, lr_and_warmup, rule_lr_and_warmup
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from helpers import child_env, read_metrics, run_train
 from train import checkpoint, runlock
-from train.config import UsageError
+from train.errors import UsageError
 
 # 128 synthetic images at global batch 8: 16 steps an epoch, a few seconds on a CPU
 RUN = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 128,

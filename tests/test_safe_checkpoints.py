@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import child_env, read_metrics, run_train
-from train import checkpoint
+from train import checkpoint, host_memory
 
 TINY = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 64,
         "--synthetic-val-images", 16, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 2,
@@ -130,7 +130,7 @@ def test_the_writer_process_writes_host_copies_one_at_a_time_with_the_values_at_
             writer.wait()
         for tensor in live.values():
             tensor.fill_(step)
-        state = checkpoint.host_copy({"model": live, "step": step, "groups": [{"lr": 0.1, "params": [0, 1]}]})
+        state = host_memory.host_copy({"model": live, "step": step, "groups": [{"lr": 0.1, "params": [0, 1]}]})
         addresses.append(state["model"]["w"].data_ptr())
         writer.start(path, state, step, copy_s=0.0)  # (waits for the previous write itself)
         del state  # (the writer holds it until the write is done)
@@ -159,7 +159,7 @@ def written_once(tmp_path):
     """A writer process that has written checkpoint.pt once: (its path, the writer, the file's bytes)."""
     path = tmp_path / "checkpoint.pt"
     writer = checkpoint.Writer()
-    writer.start(path, checkpoint.host_copy({"step": 1, "model": {"w": torch.ones(3)}}), 1, copy_s=0.0)
+    writer.start(path, host_memory.host_copy({"step": 1, "model": {"w": torch.ones(3)}}), 1, copy_s=0.0)
     writer.wait()
     return path, writer, path.read_bytes()
 
@@ -168,7 +168,7 @@ def test_a_failed_write_in_the_writer_process_is_raised_and_keeps_the_previous_f
     """A file-size limit on the writer process (as a full disk would): OSError with its errno."""
     path, writer, before = written_once(tmp_path)
     resource.prlimit(writer._process.proc.pid, resource.RLIMIT_FSIZE, (1 << 20, 1 << 20))
-    writer.start(path, checkpoint.host_copy({"step": 2, "model": {"w": torch.ones(1_000_000)}}), 2, copy_s=0.0)
+    writer.start(path, host_memory.host_copy({"step": 2, "model": {"w": torch.ones(1_000_000)}}), 2, copy_s=0.0)
     with pytest.raises(OSError) as raised:
         writer.wait()
     assert raised.value.errno == errno.EFBIG and writer.failed_step == 2
@@ -178,7 +178,7 @@ def test_a_failed_write_in_the_writer_process_is_raised_and_keeps_the_previous_f
 def test_a_writer_process_that_dies_is_a_failed_write_not_a_hang(tmp_path):
     path, writer, before = written_once(tmp_path)
     # killed in the middle of a write: its temporary file exists
-    writer.start(path, checkpoint.host_copy({"step": 2, "model": {"w": torch.randn(25_000_000)}}), 2, copy_s=0.0)
+    writer.start(path, host_memory.host_copy({"step": 2, "model": {"w": torch.randn(25_000_000)}}), 2, copy_s=0.0)
     pid = writer._process.proc.pid
     temporary = tmp_path / f".checkpoint.pt.{pid}.tmp"
     deadline = time.time() + 120
@@ -192,15 +192,15 @@ def test_a_writer_process_that_dies_is_a_failed_write_not_a_hang(tmp_path):
     assert writer.failed_step == 2
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint.pt"]
     # killed while it waits for work: the write it is given next fails, the one after has a new process
-    writer.start(path, checkpoint.host_copy({"step": 3, "model": {"w": torch.ones(3)}}), 3, copy_s=0.0)
+    writer.start(path, host_memory.host_copy({"step": 3, "model": {"w": torch.ones(3)}}), 3, copy_s=0.0)
     writer.wait()
     os.kill(writer._process.proc.pid, signal.SIGSTOP)
-    writer.start(path, checkpoint.host_copy({"step": 4, "model": {"w": torch.ones(3)}}), 4, copy_s=0.0)
+    writer.start(path, host_memory.host_copy({"step": 4, "model": {"w": torch.ones(3)}}), 4, copy_s=0.0)
     os.kill(writer._process.proc.pid, signal.SIGKILL)
     with pytest.raises(OSError, match="writer process ended"):
         writer.wait()
     assert writer.failed_step == 4 and torch.load(path, weights_only=True)["step"] == 3
-    writer.start(path, checkpoint.host_copy({"step": 5, "model": {"w": torch.ones(3)}}), 5, copy_s=0.0)
+    writer.start(path, host_memory.host_copy({"step": 5, "model": {"w": torch.ones(3)}}), 5, copy_s=0.0)
     writer.wait()
     assert torch.load(path, weights_only=True)["step"] == 5 and writer.last["step"] == 5
 
@@ -208,8 +208,8 @@ def test_a_writer_process_that_dies_is_a_failed_write_not_a_hang(tmp_path):
 def test_the_writer_process_ignores_stop_signals_and_ends_with_the_trainer(tmp_path):
     """SIGTERM/SIGINT/SIGUSR1 ask the trainer to checkpoint and stop, so the writer process must outlive
     them; when the trainer's process ends (even by SIGKILL) it ends too, so no write of a dead run lands."""
-    script = ("import sys, time; from train import checkpoint; writer = checkpoint.Writer(); "
-              "writer.start(sys.argv[1], checkpoint.host_copy({'step': 1}), 1, 0.0); writer.wait(); "
+    script = ("import sys, time; from train import checkpoint, host_memory; writer = checkpoint.Writer(); "
+              "writer.start(sys.argv[1], host_memory.host_copy({'step': 1}), 1, 0.0); writer.wait(); "
               "print(writer._process.proc.pid, flush=True); time.sleep(600)")
     trainer = subprocess.Popen([sys.executable, "-c", script, str(tmp_path / "checkpoint.pt")], env=child_env(),
                                stdout=subprocess.PIPE, text=True)

@@ -137,7 +137,8 @@ def test_published_result_against_hand_arithmetic(tmp_path):
 
 def trainer_config(*flags):
     """The config.yaml the trainer writes for these flags."""
-    from train.config import parse, to_dict
+    from train.cli import parse
+    from train.config import to_dict
     return yaml.safe_load(yaml.safe_dump(to_dict(parse(["--data-dir", "/imagenet", *flags]))))
 
 

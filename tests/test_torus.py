@@ -7,28 +7,29 @@ import pytest
 import torch
 
 from helpers import REPO, launch
-from train import engines
-from train.config import Config, UsageError
+from train.engines import topology
+from train.config import Config
+from train.errors import UsageError
 
 pytestmark = pytest.mark.multiprocess
 
 
 def test_the_grid_has_lines_of_consecutive_ranks_and_columns_across_them():
-    assert engines.torus_grid(4, 2) == ([(0, 1), (2, 3)], [(0, 2), (1, 3)])
-    assert engines.torus_grid(6, 2) == ([(0, 1), (2, 3), (4, 5)], [(0, 2, 4), (1, 3, 5)])
-    assert engines.torus_grid(6, 3) == ([(0, 1, 2), (3, 4, 5)], [(0, 3), (1, 4), (2, 5)])
+    assert topology.torus_grid(4, 2) == ([(0, 1), (2, 3)], [(0, 2), (1, 3)])
+    assert topology.torus_grid(6, 2) == ([(0, 1), (2, 3), (4, 5)], [(0, 2, 4), (1, 3, 5)])
+    assert topology.torus_grid(6, 3) == ([(0, 1, 2), (3, 4, 5)], [(0, 3), (1, 4), (2, 5)])
 
 
 def test_torus_sends_the_halves_along_opposite_directions_hierarchical_one_way():
     # (reduce-scatter and all-gather ranks, all-reduce ranks) per part of a bucket
-    assert engines.two_level_routes("torus", 0, 4, 2) == [((0, 1), (0, 2)), ((0, 2), (0, 1))]
-    assert engines.two_level_routes("torus", 3, 6, 2) == [((2, 3), (1, 3, 5)), ((1, 3, 5), (2, 3))]
-    assert engines.two_level_routes("torus", 4, 6, 3) == [((3, 4, 5), (1, 4)), ((1, 4), (3, 4, 5))]
-    assert engines.two_level_routes("hierarchical", 3, 6, 2) == [((2, 3), (1, 3, 5))]
+    assert topology.two_level_routes("torus", 0, 4, 2) == [((0, 1), (0, 2)), ((0, 2), (0, 1))]
+    assert topology.two_level_routes("torus", 3, 6, 2) == [((2, 3), (1, 3, 5)), ((1, 3, 5), (2, 3))]
+    assert topology.two_level_routes("torus", 4, 6, 3) == [((3, 4, 5), (1, 4)), ((1, 4), (3, 4, 5))]
+    assert topology.two_level_routes("hierarchical", 3, 6, 2) == [((2, 3), (1, 3, 5))]
 
 
 def test_torus_rows_that_do_not_divide_the_ranks_are_refused_in_one_line():
-    topology = engines._Topology()
+    topology = topology.Topology()
     topology.rank, topology.world_size, topology.device = 0, 6, torch.device("cpu")
     with pytest.raises(UsageError, match=r"^--torus-rows 4 does not divide the 6 ranks") as caught:
         topology._layout(Config(allreduce="torus", torus_rows=4, ranks_per_node=2), ["host"] * 6)

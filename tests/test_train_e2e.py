@@ -12,7 +12,7 @@ import yaml
 
 from helpers import child_env, compliance, read_metrics, run_train
 from data.embedded import ensure_embedded
-from train.config import parse, preset_names
+from train.cli import parse, preset_names
 
 FEW_STEPS = ["--max-steps", 3, "--workers", 1]
 

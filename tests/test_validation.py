@@ -6,7 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from train.config import Config, UsageError, parse, parser
+from train.cli import parse, parser
+from train.config import Config
+from train.errors import UsageError
 
 NUMBER_FIELDS = [f for f in fields(Config) if f.type in (int, float) and not f.metadata.get("internal")]
 FLOAT_FIELDS = [f for f in NUMBER_FIELDS if f.type is float]

@@ -2,9 +2,11 @@
 import sys
 
 from data import DataError
-from train.config import UsageError, parse
+from train.cli import parse
 from train.engines import detect_launch
-from train.loop import Preempted, RunAborted, RunFinished, run, test_only
+from train.errors import Preempted, RunAborted, RunFinished, UsageError
+from train.evaluate import test_only
+from train.loop import run
 
 
 def main(argv: list[str] | None = None) -> int:

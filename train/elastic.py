@@ -13,15 +13,13 @@ its own: it picks by global position in the epoch's order, so the position is th
 whatever the rank count.
 """
 import contextlib
-import dataclasses
 
 from horovod.common.elastic import State
 
-from data import LoaderSettings, build_loader
-from train import checkpoint, runlock
-from train.config import UsageError
+from train import runlock
+from train.errors import UsageError, agreed_error
+from train.host_memory import host_copy, replace_tensors
 from train.runlog import RunLog
-from train.startup import agreed_error, check_batch_phases, resolve_data_dir
 
 
 class TrainingState(State):
@@ -32,16 +30,16 @@ class TrainingState(State):
         self.training = training
         hvd = training.engine.hvd
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
-        self.committed = checkpoint.host_copy(training.state_dict(training.ledger.saved))  # no collective here
+        self.committed = host_copy(training.state_dict(training.ledger.saved))  # no collective here
 
     def save(self) -> None:
         """A commit (every rank at the same step): the ledger's total needs one small all-reduce."""
-        self.committed = checkpoint.host_copy(self.training.state_dict(self.training.ledger.total(self.training.engine)))
+        self.committed = host_copy(self.training.state_dict(self.training.ledger.total(self.training.engine)))
 
     def restore(self) -> None:
         # from a copy: on the CPU the optimizer keeps the tensors it loads, and training on would
         # change the commit that a second failure must go back to
-        self.training.load_state_dict(checkpoint._replace(self.committed, lambda t: t.clone()))
+        self.training.load_state_dict(replace_tensors(self.committed, lambda t: t.clone()))
 
     def sync(self) -> None:
         """Every worker takes the state of the one furthest on (a joining worker has at most the last
@@ -53,10 +51,10 @@ class TrainingState(State):
         rest = training.state_dict(training.ledger.saved)
         rest.pop("model")
         # in host memory: a pickled GPU tensor would be unpickled onto the root's device on every worker
-        rest = checkpoint._replace(rest, lambda t: t.detach().cpu()) if engine.rank == root else None
+        rest = replace_tensors(rest, lambda t: t.detach().cpu()) if engine.rank == root else None
         # (named: Horovod names it by the object's type otherwise, which differs between root and the rest)
         training.load_state_dict(engine.hvd.broadcast_object(rest, root_rank=root, name="elastic.state"), weights=False)
-        self.committed = checkpoint.host_copy(training.state_dict(training.ledger.saved))
+        self.committed = host_copy(training.state_dict(training.ledger.saved))
 
     def reset(self) -> None:
         """Horovod formed a new set of workers (hvd.init() again): take the new rank and count."""
@@ -64,9 +62,10 @@ class TrainingState(State):
 
 
 def rejoin(training) -> None:
-    """The engine's new rank and count, the same global batch over them, a loader for this rank's
-    share, and the run log with whoever is rank 0 now."""
-    engine, cfg = training.engine, training.cfg
+    """The engine's new rank and count, then start-up's rank share again (train/startup.py,
+    Setup.reshare: the same global batch over the new count, a loader for this rank's share), and the
+    run directory's lock and the run log with whoever is rank 0 now."""
+    engine, setup = training.engine, training.setup
     old_rank = engine.rank
     engine.rejoin()
     if old_rank == 0 and engine.rank != 0:
@@ -74,23 +73,19 @@ def rejoin(training) -> None:
         # collective, waits for this); how it went is the new rank 0's to say no more
         with contextlib.suppress(OSError):
             training.writer.wait()
-    try:  # every phase of --batch-schedule, not only this one: the count may not change again
-        check_batch_phases(cfg, engine.world_size, training.loader.train_images)
+    try:
+        setup.reshare()
     except UsageError as err:  # (every worker decides alike)
         raise agreed_error(UsageError(f"with {engine.world_size} workers now: {err}, or global batches that every "
                                       "count from --min-np to --max-np divides"))
-    training.cfg = cfg = dataclasses.replace(cfg, batch_size=cfg.global_batch_size // engine.world_size)
-    settings = LoaderSettings.of(cfg, data_dir=resolve_data_dir(cfg), precision=training.precision.name)
-    training.loader.close()  # its reader threads or processes, before the new loader starts its own
-    training.loader = build_loader(cfg.loader, settings, engine.rank, engine.world_size, engine.device)
-    training.loader_batch = cfg.batch_size
+    training.cfg, training.loader, training.loader_batch = setup.cfg, setup.loader, setup.cfg.batch_size
     if engine.rank != old_rank and (engine.rank == 0 or old_rank == 0):
         # the run directory's lock goes with rank 0: the job keeps it across the change (train/runlock.py)
-        if training.lock:
-            training.lock.hand_over()
-        training.lock = runlock.RunLock.acquire(training.out_dir, elastic=True) if engine.rank == 0 else None
+        if setup.lock:
+            setup.lock.hand_over()
+        setup.lock = runlock.RunLock.acquire(training.out_dir, elastic=True) if engine.rank == 0 else None
         training.log.close()
-        training.log = RunLog(training.out_dir if engine.rank == 0 else None, cfg, training.eval_plan)
+        training.log = RunLog(training.out_dir if engine.rank == 0 else None, setup.cfg, training.eval_plan)
         training.log.take_over(training.state.step)
     global_batch = training.schedule.global_batch(training.state.epoch)
     training.log.workers(training.state.step, engine.world_size, global_batch // engine.world_size)

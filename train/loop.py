@@ -1,14 +1,14 @@
-"""The training loop, readable top to bottom: set up (train/startup.py checks everything that can fail
-first), then for each epoch `train_epoch` and `end_of_epoch` (evaluate, checkpoint, stop).
+"""The training loop, readable top to bottom: set up (train/startup.py resolves and checks everything
+that can fail first, and returns it as one Setup), then for each epoch `train_epoch` and
+`end_of_epoch` (evaluate, checkpoint, stop).
 
 What changes during the run comes from the schedule (train/schedule.py), the optimizer from its
 factory (train/optim.py), the gradient averaging and the optimizer step from the engine
-(train/engines.py), and what is logged, and how, from the run log (train/runlog.py). Metrics stay on
+(train/engines/), and what is logged, and how, from the run log (train/runlog.py). Metrics stay on
 the device between logging points; the only host syncs are at log points, epoch ends and evaluations.
 """
 import dataclasses
 import gc
-import hashlib
 import platform
 import signal
 import sys
@@ -18,54 +18,31 @@ from pathlib import Path
 import torch
 from mlperf_logging.mllog import constants as K
 
-from data import LoaderSettings, build_loader
 from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
-from train.config import PREEMPTED_MARKER, Config, UsageError, to_dict
+from train.config import PREEMPTED_MARKER, Config, to_dict
+from train.errors import Diverged, Preempted, RunAborted, UsageError, agreed_error
+from train.evaluate import evaluate, replicas_differing
+from train.host_memory import host_copy, reserve
+from train.meters import LossMeter, SampleLedger
 from train.optim import build_optimizer
-from train.precision import Precision
 from train.runlog import RunLog, progress
 from train.schedule import EpochClock, EvalPlan, build_schedule
-from train.startup import (RunFinished, agreed, agreed_error, checked_setup, create_engine, ghost_group,
-                           init_weights, make_out_dir, resolve_data_dir)
-
-__all__ = ["Preempted", "RunAborted", "RunFinished", "run", "test_only"]
-
-
-class RunAborted(RuntimeError):
-    """The run stopped itself cleanly (MLLOG status aborted) and kept its last good checkpoint."""
-
-
-class Diverged(RunAborted):
-    """The loss stayed non-finite."""
-
-
-class Preempted(Exception):
-    """SIGUSR1/SIGTERM/SIGINT arrived: the checkpoint is written (and rank 0 said so) and the next
-    start resumes by itself."""
+from train.startup import Setup, prepare
 
 
 def run(cfg: Config) -> dict:
-    init_start_ms = int(time.time() * 1000)
-    engine = create_engine(cfg)
-    cfg, loader, precision, data_dir, note = agreed(engine, lambda: checked_setup(cfg, engine))
-    out_dir, lock = agreed(engine, lambda: make_out_dir(cfg, engine))
-    training = None
+    setup = prepare(cfg)  # train/startup.py: everything that can fail, before the run's first step
     try:
-        training = Training(dataclasses.replace(cfg, out_dir=str(out_dir)), engine, loader, precision)
-        training.lock = lock  # rank 0's (under Horovod Elastic it moves with rank 0: train/elastic.py)
-        # a time-stamped run directory is found again only when named: what a restart must add to the command
-        training.restart_flags = "" if cfg.out_dir else f" with --out-dir {out_dir}"
-        return _train(training, init_start_ms, data_dir, note)
+        return _train(Training(setup))
     finally:  # the run directory is free for the next job however this one ends (a killed one's lock goes stale)
-        lock = training.lock if training else lock
-        if lock:
-            lock.release()
+        if setup.lock:
+            setup.lock.release()
 
 
-def _train(training: "Training", init_start_ms: int, data_dir: str, note: str) -> dict:
-    training.start(init_start_ms, data_dir, note)
+def _train(training: "Training") -> dict:
+    training.start()
     # the run's long-lived objects (model, optimizer, loader) out of the garbage collector's full passes:
     # one of those, set off by a checkpoint's allocations, stalled the step it fell in by ~0.16 s
     gc.freeze()
@@ -104,8 +81,10 @@ class RunState:
 class Training:
     """A run's parts (engine, loader, model, optimizer, precision, schedule, log) and its state."""
 
-    def __init__(self, cfg: Config, engine, loader, precision: Precision):
-        self.cfg, self.engine, self.loader, self.precision = cfg, engine, loader, precision
+    def __init__(self, setup: Setup):
+        self.setup = setup
+        cfg, engine, loader = setup.cfg, setup.engine, setup.loader
+        self.cfg, self.engine, self.loader, self.precision = cfg, engine, loader, setup.precision
         self.out_dir, device = Path(cfg.out_dir), engine.device
         self.eval_plan = EvalPlan(cfg.eval_every, cfg.eval_offset, cfg.epochs)
         self.log = RunLog(self.out_dir if engine.rank == 0 else None, cfg, self.eval_plan)
@@ -114,7 +93,7 @@ class Training:
             torch.set_float32_matmul_precision("high")
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last).to(device)
-        model = engine.sync_batchnorm(model, cfg.bn_span, ghost_group(cfg, engine.world_size))
+        model = engine.sync_batchnorm(model, cfg.bn_span, setup.ghost)
         optimizer = build_optimizer(cfg, model)
         self.clock = EpochClock.of(cfg, loader.train_images)
         self.schedule = build_schedule(cfg, self.clock)
@@ -124,12 +103,11 @@ class Training:
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
         self.ledger = SampleLedger()
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
-        self.lock = None  # rank 0's lock on the run directory (train/runlock.py)
-        self.restart_flags = ""
+        self.restart_flags = setup.restart_flags
         self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
-        self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: checkpoint.reserve)
-        if cfg.init_from and not cfg.resume:  # checked at start-up; every rank loads the same weights
-            weights, said = init_weights(cfg)
+        self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: host_memory.reserve)
+        if setup.init:  # --init-from's weights, checked at start-up; every rank loads the same
+            weights, said = setup.init
             model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
             self.log.print(said)
         self.model, self.optimizer = engine.wrap(model, optimizer)
@@ -171,8 +149,9 @@ class Training:
         self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
         s.best_top1, s.best_step = saved.get("best_top1"), saved.get("best_step")  # (none in older checkpoints)
 
-    def start(self, init_start_ms: int, data_dir: str, note: str) -> None:
+    def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
+        data_dir, note = self.setup.data_dir, self.setup.lr_note
         device = engine.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
         header = (f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
@@ -180,7 +159,7 @@ class Training:
                   f"{cfg.batch_size} = global batch {cfg.global_batch_size}{f', then epochs:batch {cfg.batch_schedule}' if cfg.batch_schedule else ''} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
                   f"{cfg.warmup_epochs:g} epochs{f' ({note})' if note else ''} | {self.precision.name} on "
                   f"{device.type}, {_count(torch.get_num_threads(), 'thread')} | {self.out_dir}")
-        self.log.setup(init_start_ms, header, platform=f"{engine.world_size}x{device_name}",
+        self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}",
                        train_images=loader.train_images, val_images=loader.val_images,
                        precision=self.precision.name, schedule=self.schedule)
         if loader.empty_classes:
@@ -218,7 +197,7 @@ class Training:
             self.ledger.add(self.loader.last_positions)
             loss = self.train_step(images, labels)
             if self.host_memory_unreserved and engine.rank == 0:  # after a step: the optimizer has its state
-                checkpoint.reserve(self.state_dict(self.ledger.saved))
+                reserve(self.state_dict(self.ledger.saved))
                 self.host_memory_unreserved = False
             self.recent.add(images)
             window.add(loss)
@@ -340,7 +319,7 @@ class Training:
             try:
                 self._wait_for_write()
                 copied = time.time()
-                state = checkpoint.host_copy(self.state_dict(samples, finished))
+                state = host_copy(self.state_dict(samples, finished))
                 self.writer.start(out_dir / "checkpoint.pt", state, s.step, time.time() - copied)
                 self.in_flight = {key: value for key, value in state.items() if not isinstance(value, dict)}
                 if wait or finished or s.stop or s.epoch >= self.cfg.epochs:
@@ -463,119 +442,3 @@ class StopSignal:
             signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
-class SampleLedger:
-    """The positions of the epoch's global order trained so far, as count, sum and sum of squares: each
-    position once (count = steps x global batch, sum = 0 + 1 + ...) shows in the log that no image was
-    trained twice or skipped, across resumes and rank-count changes. `saved`: the total over all ranks
-    at the last `total` (kept in checkpoints); `mine`: this rank's since."""
-
-    def __init__(self, saved=(0, 0, 0)):
-        self.saved, self.mine = [int(x) for x in saved], [0, 0, 0]
-
-    def add(self, positions: range) -> None:
-        first, n = positions.start, len(positions)
-        for i, value in enumerate((n, n * first + n * (n - 1) // 2, _squares_below(first + n) - _squares_below(first))):
-            self.mine[i] += value
-
-    def total(self, engine) -> list[int]:
-        """The epoch's total so far over all ranks (one small all-reduce; every rank calls it)."""
-        mine = engine.all_reduce_sum(torch.tensor(self.mine, dtype=torch.int64, device=engine.device)).tolist()
-        self.saved, self.mine = [a + b for a, b in zip(self.saved, mine)], [0, 0, 0]
-        return list(self.saved)
-
-
-def _squares_below(n: int) -> int:
-    return (n - 1) * n * (2 * n - 1) // 6
-
-
-class LossMeter:
-    """Losses summed on the device since the meter was made; read (one host sync) at logging points."""
-
-    def __init__(self, device: torch.device):
-        self.total, self.steps, self.start = torch.zeros((), device=device), 0, time.time()
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.total += loss
-        self.steps += 1
-
-    def mean(self, engine) -> float:
-        total = engine.all_reduce_sum(self.total.clone())
-        return round(total.item() / (max(self.steps, 1) * engine.world_size), 5)
-
-    def seconds(self) -> float:
-        return max(time.time() - self.start, 1e-9)
-
-
-def replicas_differing(model, engine) -> int:
-    """How many ranks hold a model (weights and buffers) that is not bit for bit rank 0's."""
-    digest = hashlib.sha256()
-    for tensor in engine.unwrap(model).state_dict().values():
-        digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    differs = digest.hexdigest() != engine.broadcast_object(digest.hexdigest())
-    return int(engine.all_reduce_sum(torch.tensor(int(differs), device=engine.device)).item())
-
-
-@torch.no_grad()
-def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
-    """(top-1, top-5, images) over the whole validation set: global correct / global total."""
-    model.eval()
-    device = engine.device
-    counts = torch.zeros(3, dtype=torch.int64, device=device)  # top-1 hits, top-5 hits, images
-    for images, labels in loader.val_batches():
-        with precision.autocast():
-            logits = model(images)
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        hits = top == labels[:, None]
-        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
-    counts = engine.all_reduce_sum(counts)
-    top1, top5, total = counts.tolist()
-    return top1 / max(total, 1), top5 / max(total, 1), total
-
-
-def test_only(cfg: Config) -> tuple[float, float, int]:
-    """`--test-only`: the checkpoint in --out-dir evaluated over the validation set of its run's data
-    (or --data-dir), on any engine and rank count; nothing in the run directory changes."""
-    engine = create_engine(cfg)
-
-    def prepare():
-        run_dir = Path(cfg.out_dir)
-        saved = checkpoint.to_evaluate(run_dir, cfg.checkpoint)
-        precision = Precision(cfg.precision, engine.device)
-        batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or 256  # the run's per-rank batch
-        data_dir = resolve_data_dir(cfg)
-        loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch, evaluate_only=True,
-                                                             precision=precision.name),
-                              engine.rank, engine.world_size, engine.device)
-        state = checkpoint.load(saved, engine.device)
-        _check_evaluated(state, cfg, loader, saved, data_dir)
-        return precision, loader, state
-    precision, loader, state = agreed(engine, prepare)
-    model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last).to(engine.device)
-    model.load_state_dict(state["model"])
-    top1, top5, images = evaluate(model, loader, precision, engine)
-    if engine.rank == 0:
-        print(f"top-1 {top1:.4f}  top-5 {top5:.4f}  ({images} images)", flush=True)
-    engine.shutdown()
-    return top1, top5, images
-
-
-def _check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str) -> None:
-    """The checkpoint fits the model --arch builds, and the data's classes are the run's, name by name
-    (the same count with other names would be scored as if they were the run's)."""
-    weights, data = state["model"], data_dir or "the synthetic data"
-    if weights["fc.weight"].shape[0] != loader.num_classes:
-        raise UsageError(f"{saved} has {weights['fc.weight'].shape[0]} classes, the "
-                         f"data {data} {loader.num_classes}; check --data-dir")
-    with torch.device("meta"):  # shapes only, nothing allocated
-        expected = build_model(cfg.arch, loader.num_classes, channels_last=False).state_dict()
-    saved_arch = state.get("config", {}).get("arch", "?")
-    differing = next((name for name in {*expected, *weights}
-                      if name not in expected or name not in weights or expected[name].shape != weights[name].shape), None)
-    if differing:
-        raise UsageError(f"{saved} holds a {saved_arch}, which --arch {cfg.arch} does not build "
-                         f"({differing} differs); drop --arch or give the run's")
-    recorded = state.get("classes")
-    if recorded and loader.class_names and recorded != loader.class_names:
-        first = next(i for i, (a, b) in enumerate(zip(recorded, loader.class_names)) if a != b)
-        raise UsageError(f"the classes of {data} are not the run's (class {first} is {loader.class_names[first]!r} "
-                         f"there, {recorded[first]!r} in the run); check --data-dir")

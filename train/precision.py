@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from train.config import UsageError
+from train.errors import UsageError
 
 
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision NAME

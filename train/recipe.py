@@ -15,7 +15,8 @@ from pathlib import Path
 from data import embedded
 from data.sources import open_split
 from data.tree import check_tree
-from train.config import Config, UsageError, to_dict
+from train.config import Config, to_dict
+from train.errors import UsageError
 from train.engines import detect_launch
 from train.rules import batch_sizes, lr_and_warmup
 from train.schedule import EpochClock, batch_phases, build_schedule

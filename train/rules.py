@@ -12,7 +12,7 @@ run is cut to 40% as well, and the header line says so.
 """
 import math
 
-from train.config import UsageError
+from train.errors import UsageError
 
 DEFAULT_PER_RANK_BATCH = 256
 WARMUP_SHARE_LIMIT = 0.4

@@ -22,7 +22,7 @@ import time
 import uuid
 from pathlib import Path
 
-from train.config import UsageError
+from train.errors import UsageError
 
 LOCK_NAME = "run.lock"
 REFRESH_S = 5.0  # rank 0 refreshes the lock's time this often

@@ -1,4 +1,5 @@
-"""Start-up: every check that can fail, on every rank, before the run directory exists.
+"""Start-up: every check that can fail and everything the run is defined by, resolved on every rank
+before the run directory exists, and handed to the loop as one object (`prepare` -> `Setup`).
 
 A failure on any rank is raised on every rank (`agreed`), so no rank goes on alone and none waits
 for one that stopped; such an error is marked `agreed` and printed once, by rank 0.
@@ -17,7 +18,9 @@ from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
 from models import build_model
 from train import checkpoint, engines, runlock
-from train.config import Config, UsageError, to_dict
+from train.config import Config, to_dict
+from train.engines.topology import check_bn_span
+from train.errors import RunFinished, UsageError, agreed_error
 from train.precision import Precision
 from train.rules import batch_sizes, lr_and_warmup
 from train.schedule import EpochClock, batch_phases
@@ -25,14 +28,65 @@ from train.schedule import EpochClock, batch_phases
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
 
-class RunFinished(Exception):
-    """The run in --out-dir has nothing left to do: said in one line, its files untouched, exit 0."""
+@dataclasses.dataclass
+class Setup:
+    """What start-up resolved, alike on every rank: the loop reads it and never calls back here.
+    `reshare` is the part that depends on the rank count, made again when Horovod Elastic changes it."""
+    cfg: Config  # after presets, rules and the rank count: batches, LR, warmup, classes, out_dir
+    engine: "engines.Engine"
+    precision: Precision
+    loader: object  # this rank's share of the data (data.Loader)
+    data_dir: str  # "" for synthetic data
+    lr_note: str  # how the LR and warmup were chosen, for the header
+    out_dir: Path
+    lock: "runlock.RunLock | None"  # rank 0's lock on the run directory (it moves with rank 0: train/elastic.py)
+    ghost: int  # the BatchNorm ghost group (0: BN over the whole per-rank batch)
+    init: "tuple[dict, str] | None"  # --init-from's checked weights and the line that says where the run starts
+    restart_flags: str  # what a restart must add to the command to find a time-stamped run directory again
+    started_ms: int  # when start-up began (MLLOG's init_start)
+
+    def reshare(self) -> None:
+        """After the engine's rank count changed: every phase of --batch-schedule checked against the
+        new count (the count may not change again), the per-rank batch, and a loader for this rank's
+        share. A refusal leaves the old share in place."""
+        world_size = self.engine.world_size
+        check_batch_phases(self.cfg, world_size, self.loader.train_images)
+        self.cfg = dataclasses.replace(self.cfg, batch_size=self.cfg.global_batch_size // world_size)
+        self.loader.close()  # its reader threads or processes, before the new loader starts its own
+        self.loader = _build_loader(self.cfg, self.engine, self.precision, self.data_dir)
 
 
-def agreed_error(err: Exception) -> Exception:
-    """Marks an error that every rank raises alike, so that only rank 0 prints it."""
-    err.agreed = True
-    return err
+def prepare(cfg: Config) -> Setup:
+    """The engine, the settings resolved for its rank count, the checks of the input, then the run
+    directory (rank 0 makes it and takes its lock)."""
+    started_ms = int(time.time() * 1000)
+    engine = create_engine(cfg)
+    cfg, loader, precision, data_dir, note, init = agreed(engine, lambda: checked_setup(cfg, engine))
+    out_dir, lock = agreed(engine, lambda: make_out_dir(cfg, engine))
+    return Setup(cfg=dataclasses.replace(cfg, out_dir=str(out_dir)), engine=engine, precision=precision,
+                 loader=loader, data_dir=data_dir, lr_note=note, out_dir=out_dir, lock=lock,
+                 ghost=ghost_group(cfg, engine.world_size), init=init,
+                 restart_flags="" if cfg.out_dir else f" with --out-dir {out_dir}", started_ms=started_ms)
+
+
+def prepare_evaluation(cfg: Config) -> tuple:
+    """--test-only's start-up: (engine, precision, loader, saved state) for the checkpoint in --out-dir
+    (or --checkpoint) over the validation set of its run's data (or --data-dir)."""
+    engine = create_engine(cfg)
+
+    def checked():
+        run_dir = Path(cfg.out_dir)
+        saved = checkpoint.to_evaluate(run_dir, cfg.checkpoint)
+        precision = Precision(cfg.precision, engine.device)
+        batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or 256  # the run's per-rank batch
+        data_dir = resolve_data_dir(cfg)
+        settings = LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch, evaluate_only=True,
+                                     precision=precision.name)
+        loader = build_loader(cfg.loader, settings, engine.rank, engine.world_size, engine.device)
+        state = checkpoint.load(saved, engine.device)
+        check_evaluated(state, cfg, loader, saved, data_dir)
+        return precision, loader, state
+    return (engine, *agreed(engine, checked))
 
 
 def create_engine(cfg: Config):
@@ -79,7 +133,8 @@ def agreed(engine, step):
 
 
 def checked_setup(cfg: Config, engine):
-    """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, note)."""
+    """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, note,
+    --init-from's weights and line or None)."""
     precision = Precision(cfg.precision, engine.device)
     if cfg.restarted and cfg.global_batch_size % engine.world_size:
         raise UsageError(f"{cfg.out_dir} holds a run of global batch {cfg.global_batch_size}, which does not divide "
@@ -88,17 +143,15 @@ def checked_setup(cfg: Config, engine):
     cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
     lr, warmup, note = lr_and_warmup(cfg, global_batch)
     cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup)
-    engines.check_bn_span(cfg.bn_span, engine.world_size)
+    check_bn_span(cfg.bn_span, engine.world_size)
     data_dir = resolve_data_dir(cfg)
-    loader = build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name),
-                          engine.rank, engine.world_size, engine.device)
+    loader = _build_loader(cfg, engine, precision, data_dir)
     if cfg.num_classes and cfg.num_classes != loader.num_classes:  # a resumed run's model has the recorded count
         raise UsageError(f"{data_dir or 'the synthetic data'} has {loader.num_classes} classes, the run "
                          f"{cfg.num_classes}; check --data-dir (or --num-classes)")
     cfg = dataclasses.replace(cfg, num_classes=loader.num_classes)  # recorded in config.yaml
     check_batch_phases(cfg, engine.world_size, loader.train_images)
-    if cfg.init_from and not cfg.resume:
-        init_weights(cfg)  # read and checked here; loaded into the model by the loop
+    init = init_weights(cfg) if cfg.init_from and not cfg.resume else None  # loaded into the model by the loop
     # read-only checks of the run directory: rank 0's verdict reaches the others through agreed(); under
     # Horovod Elastic (no collective there) every rank reads the same files and decides alike
     if engine.rank == 0 or engine.elastic:
@@ -109,7 +162,34 @@ def checked_setup(cfg: Config, engine):
         _check_out_dir(cfg)
         if cfg.resume:
             _check_resume_position(cfg, loader)
-    return cfg, loader, precision, data_dir, note
+    return cfg, loader, precision, data_dir, note, init
+
+
+def _build_loader(cfg: Config, engine, precision: Precision, data_dir: str):
+    return build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name),
+                        engine.rank, engine.world_size, engine.device)
+
+
+def check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str) -> None:
+    """The checkpoint fits the model --arch builds, and the data's classes are the run's, name by name
+    (the same count with other names would be scored as if they were the run's)."""
+    weights, data = state["model"], data_dir or "the synthetic data"
+    if weights["fc.weight"].shape[0] != loader.num_classes:
+        raise UsageError(f"{saved} has {weights['fc.weight'].shape[0]} classes, the "
+                         f"data {data} {loader.num_classes}; check --data-dir")
+    with torch.device("meta"):  # shapes only, nothing allocated
+        expected = build_model(cfg.arch, loader.num_classes, channels_last=False).state_dict()
+    saved_arch = state.get("config", {}).get("arch", "?")
+    differing = next((name for name in {*expected, *weights}
+                      if name not in expected or name not in weights or expected[name].shape != weights[name].shape), None)
+    if differing:
+        raise UsageError(f"{saved} holds a {saved_arch}, which --arch {cfg.arch} does not build "
+                         f"({differing} differs); drop --arch or give the run's")
+    recorded = state.get("classes")
+    if recorded and loader.class_names and recorded != loader.class_names:
+        first = next(i for i, (a, b) in enumerate(zip(recorded, loader.class_names)) if a != b)
+        raise UsageError(f"the classes of {data} are not the run's (class {first} is {loader.class_names[first]!r} "
+                         f"there, {recorded[first]!r} in the run); check --data-dir")
 
 
 # What defines a run: the same command started again must give the same values (resolved: the LR and

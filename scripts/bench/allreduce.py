@@ -56,7 +56,7 @@ def worker(rank: int, procs: int, port: int, sizes: list[int], repeats: int, sec
     import torch
     import torch.distributed as dist
     from train.config import Config
-    from train.engines import TorchDistributed
+    from train.engines.torch_distributed import TorchDistributed
     torch.set_num_threads(1)
     rows = rows_for(procs)
     base = Config(allreduce="flat", ranks_per_node=rows, torus_rows=rows)

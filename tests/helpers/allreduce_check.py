@@ -36,7 +36,7 @@ def main():
             ddp(images).square().mean().backward()
         else:
             import horovod.torch as hvd
-            from train.engines import TwoLevelHorovodOptimizer, _contiguous
+            from train.engines.horovod import TwoLevelHorovodOptimizer, _contiguous
             if path == "flat":
                 wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
                                                    compression=_contiguous(hvd.Compression.none), op=hvd.Average)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from train.config import Config, UsageError
+from train.config import Config
+from train.errors import UsageError
 from train.engines import create
 
 

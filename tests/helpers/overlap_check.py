@@ -24,7 +24,8 @@ from pathlib import Path
 import torch
 
 from train.config import Config
-from train.engines import TwoLevelHorovodOptimizer, create
+from train.engines import create
+from train.engines.horovod import TwoLevelHorovodOptimizer
 
 SIZES = [16, 40, 24, 56, 8, 32, 5]  # unequal layers: buckets of unequal sizes
 DDP_BUCKET_MB = 1024 / 2 ** 20  # DDP buckets of 1 KiB: about one parameter each

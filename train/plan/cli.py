@@ -4,7 +4,8 @@ import json
 import sys
 
 import train.plan as package
-from train.config import UsageError, parse as parse_config
+from train.cli import parse as parse_config
+from train.errors import UsageError
 from train.plan import comm, model, report
 from train.plan.hardware import IN_NODE_LATENCY_S, NETWORKS, gpu as gpu_spec
 from train.plan.published import CHECKS, PUBLISHED_TOP1

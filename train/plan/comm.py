@@ -6,7 +6,7 @@ all-reduce 2(k-1). A round costs its slowest hop: latency + (m/k) / bandwidth. A
 share a node uses the GPU's in-node link; a group spanning nodes is limited by the network, whose
 bandwidth (all of a node's links together) is shared by the groups that leave the node at once.
 
-The groups are the trainer's own (train/engines.py). flat is the engine's own all-reduce over all
+The groups are the trainer's own (train/engines/topology.py). flat is the engine's own all-reduce over all
 ranks: on CPUs gloo's, one ring; on GPUs NCCL's, which picks per call the cheaper of its ring and its
 tree (NCCL's tuning model, src/graph/tuning.cc; docs/planner.md), modelled by nccl_ring and
 nccl_tree. hierarchical and torus are the routes of two_level_routes over the grid of torus_grid (reduce-scatter among the
@@ -18,7 +18,7 @@ trees and SHARP give logarithmic latency; the trainer does not have it.
 import math
 from dataclasses import dataclass
 
-from train.engines import torus_grid, two_level_routes
+from train.engines.topology import torus_grid, two_level_routes
 from train.plan.hardware import Link
 
 ALGORITHMS = ("flat", "hierarchical", "torus", "tree")

@@ -6,7 +6,7 @@ all-reduce benchmarks typically get out of a link), and every message hop pays i
 """
 from dataclasses import dataclass
 
-from train.config import UsageError
+from train.errors import UsageError
 
 LINK_EFFICIENCY = 0.8  # share of a link's line rate a collective gets (assumed)
 MEMORY_EFFICIENCY = 0.8  # share of HBM bandwidth an elementwise optimizer kernel gets (assumed)

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import yaml
 
-from train.config import Config, UsageError
+from train.config import Config
+from train.errors import UsageError
 from train.plan import comm, compute
 from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, Gpu, gpu as gpu_spec, in_node_link, network_link
 from train.rules import interpolate

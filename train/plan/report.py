@@ -7,7 +7,7 @@ The axes are labelled in plain numbers: the GPU counts themselves, and 1-2-5 ste
 import os
 from pathlib import Path
 
-from train.config import UsageError
+from train.errors import UsageError
 
 FORMATS = (".png", ".svg", ".pdf")
 SAME_WITHIN = 0.01  # lines closer than this at every count are named as one in the legend

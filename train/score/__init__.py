@@ -23,9 +23,9 @@ say of its log (it passes a --max-steps run's, which ends with run_stop status s
 
 The modules: logs (reading a run directory), flops (FLOP counts, Valid FLOPS), mlperf (the
 compliance checker, the olympic mean), level (the HPC AI500 level), runs (a run or a published
-result -> Score), report (table and figure), cli (the command line).
+result -> Score), report (table and figure), cli (the command line, `python -m train.score`; it
+reads this docstring, and this package does not import it).
 """
-from train.score.cli import main
 from train.score.flops import (HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES, num_classes, run_flop,
                                valid_flops)
 from train.score.level import RECIPE_KEYS, hpc_ai500_level
@@ -35,6 +35,6 @@ from train.score.report import draw_report, eval_points, report_figure, run_styl
 from train.score.runs import Score, ScoreError, score_published, score_run
 
 __all__ = ["HPC_AI500_POWER", "HPC_AI500_TARGET", "IMAGENET_TRAIN_IMAGES", "MLPERF_TARGET", "RECIPE_KEYS", "Score",
-           "ScoreError", "compliance", "draw_report", "eval_points", "hpc_ai500_level", "main", "mlperf_score",
+           "ScoreError", "compliance", "draw_report", "eval_points", "hpc_ai500_level", "mlperf_score",
            "num_classes", "read_config", "read_metrics", "read_mllog", "report_figure", "run_checker", "run_flop",
            "run_style", "score_published", "score_run", "table", "throughput_series", "training_seconds", "valid_flops"]

@@ -18,7 +18,8 @@ def hpc_ai500_level(config: dict) -> tuple[str, str]:
         return "free", f"the model changed ({config.get('arch')} at {config.get('image_size')} px; reference resnet50 at 224)"
     preset = str(config.get("preset", ""))
     if preset.startswith("mlperf-bs"):
-        from train.config import Config, load_yaml_overrides, resolve_preset
+        from train.cli import load_yaml_overrides, resolve_preset
+        from train.config import Config
         # What the preset leaves out the run got from the trainer's defaults, so those are the reference too.
         reference = {**asdict(Config()), **load_yaml_overrides(str(resolve_preset(preset)), "preset")}
         # A key absent from the run's config.yaml (an older run) is unknown, not changed.

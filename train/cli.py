@@ -1,0 +1,263 @@
+"""The command line: `python -m train`'s flags built from Config's fields and the registries that
+serve each choice (engines, loaders, archs, optimizers, schedules, precisions), and the settings read
+from them: defaults < preset (YAML) < saved config of a --resume'd run < command-line flags. The same
+command started again on a run directory holding its checkpoint continues the run (restart is
+resume); start-up checks that it defines the same run.
+
+A preset is a name of a YAML file shipped in train/presets/ or a path to one.
+"""
+import argparse
+import importlib.util
+import math
+import os
+import textwrap
+from importlib import resources
+from pathlib import Path
+
+import yaml
+
+from data import LOADERS
+from models import ARCHS
+from train.config import FIELDS, Config
+from train.engines import ALLREDUCE, ENGINES
+from train.errors import UsageError
+from train.optim import OPTIMIZERS
+from train.precision import PRECISIONS
+from train.schedule import SCHEDULES, batch_changes, decay_epochs, lr_phases
+
+
+def preset_names() -> list[str]:
+    return sorted(p.name[:-5] for p in resources.files("train.presets").iterdir() if p.name.endswith(".yaml"))
+
+
+def load_yaml_overrides(source: str, what: str) -> dict:
+    """A YAML mapping of Config fields, type-checked; `source` is a file path."""
+    try:
+        values = yaml.safe_load(Path(source).read_text())
+    except (OSError, yaml.YAMLError) as err:
+        reason = str(err).splitlines()[0]
+        raise UsageError(f"{what} {source} cannot be read as YAML ({reason}); fix or remove it")
+    if values is None:
+        values = {}
+    if not isinstance(values, dict):
+        raise UsageError(f"{what} {source} must be a mapping of settings, not {type(values).__name__}")
+    for key, value in values.items():
+        key_field = FIELDS.get(str(key).replace("-", "_"))
+        if key_field is None or (key_field.name == "preset" and what == "preset"):
+            raise UsageError(f"{what} {source} has unknown setting {key!r}; see python -m train --help")
+        if key_field.type is float and isinstance(value, str):
+            value = values[key] = _number(value)  # YAML 1.1 reads 5e-5 (no dot) as a string
+        if not _fits(value, key_field.type):
+            raise UsageError(f"{what} {source}: {key} must be {key_field.type.__name__}, got {value!r}")
+    return {str(k).replace("-", "_"): (float(v) if FIELDS[str(k).replace("-", "_")].type is float else v)
+            for k, v in values.items()}
+
+
+def _number(text: str):
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def _fits(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, bool)
+    if kind is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if kind is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, str)
+
+
+def resolve_preset(name: str) -> Path:
+    if name.endswith((".yaml", ".yml")) or os.sep in name:
+        if not Path(name).is_file():
+            raise UsageError(f"preset file {name} does not exist")
+        return Path(name)
+    if name not in preset_names():
+        raise UsageError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())} or give a .yaml path")
+    return Path(str(resources.files("train.presets") / f"{name}.yaml"))
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2 like every other bad input, not argparse's usage block
+        raise UsageError(f"{message}; see python -m train --help")
+
+
+def choices() -> dict[str, tuple]:
+    """The names each choice setting takes, from the registries that serve them."""
+    return {"loader": tuple(LOADERS), "arch": tuple(ARCHS), "precision": PRECISIONS, "optimizer": tuple(OPTIMIZERS),
+            "lr_schedule": tuple(SCHEDULES), "engine": ("auto", *ENGINES), "allreduce": ALLREDUCE,
+            "division": ("open", "closed")}
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    def _split_lines(self, text, width):  # names like mlperf-bs1632 stay whole on one line
+        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
+
+
+def parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="python -m train", description="Train a ResNet on ImageNet-layout data.",
+                argument_default=argparse.SUPPRESS, formatter_class=_HelpFormatter)
+    named = {**choices(), "preset": tuple(preset_names())}
+    for f in FIELDS.values():
+        flag = "--" + f.name.replace("_", "-")
+        help_text = f.metadata.get("help", "")
+        if "default:" not in help_text:  # a help that says its default in its own words keeps only that
+            help_text += f" (default: {f.default!r})"
+        if f.name in named:  # the names go before the default
+            body, said, default = help_text.partition(" (default:")
+            help_text = f"{body}; one of {', '.join(named[f.name])}{said}{default}"
+        if f.type is bool:
+            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+        else:
+            p.add_argument(flag, type=f.type, metavar=f.name.upper(), help=help_text)
+    return p
+
+
+# Settings derived from one another: a flag on the command line wins over its partner's value from
+# the preset or the saved run (a per-rank --batch-size over a preset's global batch, and so on).
+# Two flags of a pair given together must agree (checked once the rank count is known).
+PARTNERS = {"batch_size": "global_batch_size", "global_batch_size": "batch_size", "lr": "lr_per_256", "lr_per_256": "lr"}
+
+
+def parse(argv: list[str]) -> Config:
+    """Defaults, then the preset, then (with --resume) the run's saved config, then the flags."""
+    flags = vars(parser().parse_args(argv))
+    values: dict = {}
+    preset = flags.get("preset") or ("" if flags.get("data_dir") else "smoke")
+    if preset:
+        values.update(load_yaml_overrides(str(resolve_preset(preset)), "preset"))
+        values["preset"] = preset
+    out_dir = flags.get("out_dir") or job_out_dir(preset)
+    if out_dir:
+        flags["out_dir"] = out_dir
+    if flags.get("test_only"):
+        flags["resume"] = False
+    elif not flags.get("resume") and out_dir and (Path(out_dir) / "config.yaml").is_file():
+        # restart is resume: the same command started again (a requeued job, a relaunched worker, a preempted
+        # run) continues its run from its checkpoint, or starts it again when it was lost before its first;
+        # start-up checks that the command defines the same run (startup.check_same_run)
+        values["restarted"] = True
+        flags["resume"] = (Path(out_dir) / "checkpoint.pt").is_file()
+    if (flags.get("resume") and not values.get("restarted")) or flags.get("test_only"):
+        what = "--test-only" if flags.get("test_only") else "--resume"
+        if not out_dir:
+            raise UsageError(f"{what} needs --out-dir naming the run")
+        saved = Path(out_dir) / "config.yaml"
+        if not saved.is_file():
+            raise UsageError(f"{out_dir} holds no config.yaml for {what}; check --out-dir")
+        values.update(load_yaml_overrides(str(saved), "saved config"))
+    if flags.get("batch_size", 1) <= 0:
+        raise UsageError(f"--batch-size must be positive, got {flags['batch_size']}")
+    for name, partner in PARTNERS.items():
+        if name in flags and partner not in flags:
+            values[partner] = FIELDS[partner].default
+    if values.get("restarted") and "global_batch_size" not in flags:
+        # the global batch defines the run: a restart on another rank count (an elastic launcher's) keeps it,
+        # whatever per-rank batch the command names; the per-rank batch follows from the rank count
+        saved = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config").get("global_batch_size")
+        if saved:
+            values.update(batch_size=0, global_batch_size=saved, command_batch_size=flags.pop("batch_size", 0))
+    values.update(flags)
+    if values.get("tensorboard", True) and importlib.util.find_spec("tensorboard") is None:
+        if flags.get("tensorboard"):
+            raise UsageError("--tensorboard needs the tensorboard package; pip install tensorboard, or drop the flag")
+        values["tensorboard"] = False  # on by default only where it is installed
+    return validate(Config(**values))
+
+
+# The values each number setting may take: (test, what the refusal says it must be). A float must be
+# finite as well; every int and float field has an entry (tests/test_validation.py checks).
+ZERO_OR_MORE = (lambda v: v >= 0, "0 or more")
+AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
+ABOVE_0 = (lambda v: v > 0, "more than 0")
+BELOW_1 = (lambda v: 0 <= v < 1, "in [0, 1)")
+BOUNDS = {
+    "workers": ZERO_OR_MORE, "threads": ZERO_OR_MORE, "image_size": (lambda v: v >= 16, "at least 16"),
+    "crop_min_scale": (lambda v: 0 < v <= 1, "in (0, 1]"), "crop_max_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "crop_min_aspect": ABOVE_0, "crop_max_aspect": ABOVE_0,
+    "synthetic_images": AT_LEAST_1, "synthetic_val_images": AT_LEAST_1, "synthetic_classes": AT_LEAST_1,
+    "num_classes": ZERO_OR_MORE, "bn_group_size": ZERO_OR_MORE, "bn_recompute_batches": ZERO_OR_MORE,
+    "batch_size": (lambda v: v >= 0, "positive"), "global_batch_size": (lambda v: v >= 0, "positive"),
+    "epochs": (lambda v: v >= 1, "positive"), "lr": ZERO_OR_MORE, "lr_per_256": ZERO_OR_MORE,
+    "warmup_epochs": (lambda v: v >= 0 or v == -1, "0 or more (-1: chosen from the global batch)"),
+    "end_lr": ZERO_OR_MORE, "lr_decay_power": ZERO_OR_MORE, "warmup_start_lr": ZERO_OR_MORE,
+    "lr_decay_factor": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "sgd_share_center": ZERO_OR_MORE, "sgd_share_width": ZERO_OR_MORE, "rmsprop_lr_ratio": ZERO_OR_MORE,
+    "rmsprop_alpha": BELOW_1, "rmsprop_epsilon": ABOVE_0,
+    "momentum": BELOW_1, "weight_decay": ZERO_OR_MORE, "lars_eta": ABOVE_0, "lars_epsilon": ZERO_OR_MORE,
+    "label_smoothing": BELOW_1, "augment_off_epoch": ZERO_OR_MORE, "eval_every": ZERO_OR_MORE,
+    "eval_offset": ZERO_OR_MORE, "target_accuracy": (lambda v: 0 <= v <= 1, "a fraction in (0, 1] (0: run all epochs)"),
+    "ranks_per_node": ZERO_OR_MORE, "torus_rows": ZERO_OR_MORE, "bn_span": AT_LEAST_1, "stop_check_every": AT_LEAST_1,
+    "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32)"), "max_steps": ZERO_OR_MORE, "log_every": AT_LEAST_1,
+    "checkpoint_every": AT_LEAST_1, "checkpoint_every_steps": ZERO_OR_MORE, "checkpoint_every_minutes": ZERO_OR_MORE,
+    "keep_checkpoints": ZERO_OR_MORE,
+    "commit_every": AT_LEAST_1, "max_bad_steps": AT_LEAST_1,
+}
+
+
+def validate(cfg: Config) -> Config:
+    """Each setting alone (numbers in range, names known, schedules readable), then the combinations."""
+    _check_numbers(cfg)
+    _check_names_and_schedules(cfg)
+    _check_combinations(cfg)
+    return cfg
+
+
+def _need(ok: bool, message: str) -> None:
+    if not ok:
+        raise UsageError(message)
+
+
+def _check_numbers(cfg: Config) -> None:
+    for name, (test, wording) in BOUNDS.items():
+        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+        if FIELDS[name].type is float:
+            _need(math.isfinite(value), f"{flag} must be a finite number, got {value}")
+        if name == "target_accuracy" and 1 < value <= 100:  # 75.9 would never be reached: top-1 is a fraction
+            raise UsageError(f"--target-accuracy {value:g} is a percentage; give the fraction {value / 100:g}")
+        _need(test(value), f"{flag} must be {wording}, got {value}")
+    _need(cfg.crop_min_scale <= cfg.crop_max_scale, "--crop-min-scale must not be above --crop-max-scale")
+    _need(cfg.crop_min_aspect <= cfg.crop_max_aspect, "--crop-min-aspect must not be above --crop-max-aspect")
+
+
+def _check_names_and_schedules(cfg: Config) -> None:
+    """Names and the schedule texts read alone, before any rule that combines settings."""
+    for name, names in choices().items():
+        value = getattr(cfg, name)
+        _need(value in names, f"unknown --{name.replace('_', '-')} {value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
+    try:
+        changes = batch_changes(cfg.batch_schedule)
+        if cfg.lr_schedule == "multistep":
+            decay_epochs(cfg.lr_decay_epochs)
+        phases = lr_phases(cfg.lr_phases) if cfg.lr_schedule == "phases" else []
+    except ValueError as err:
+        raise UsageError(str(err)) from None
+    _need(all(math.isfinite(number) for phase in phases for number in phase),
+          f"--lr-phases {cfg.lr_phases!r}: give finite numbers, e.g. '40:0.5,30:0.075'")
+    late = [epoch for epoch, _ in changes if epoch >= cfg.epochs]
+    if late:  # a change after the last epoch would never happen
+        raise UsageError(f"--batch-schedule {cfg.batch_schedule!r}: a change after epoch {late[0]} never happens in "
+                         f"a {cfg.epochs}-epoch run; give epochs below --epochs {cfg.epochs}")
+
+
+def _check_combinations(cfg: Config) -> None:
+    _need(not (cfg.nesterov and cfg.momentum <= 0), "--nesterov needs a positive --momentum")
+    _need(not cfg.lars_compile or cfg.optimizer == "lars", "--lars-compile needs --optimizer lars")
+    _need(not cfg.checkpoint or cfg.test_only, f"--checkpoint {cfg.checkpoint} names what --test-only evaluates; "
+          "to start a run from its weights, give --init-from")
+    _need(cfg.division == "open" or (not cfg.batch_schedule and cfg.optimizer in ("lars", "sgd")
+                                     and cfg.lr_schedule == "warmup-poly"),
+          "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "
+          "MLPerf closed division; use --division open")
+
+
+def job_out_dir(preset: str) -> str:
+    """A default run directory named after the launcher's job, which a restart of the job finds again:
+    Slurm's job id (kept by a requeue), or torchrun's rendezvous id (--rdzv-id, or --standalone's, kept
+    across --max-restarts). "" without one (Horovod and mpirun give no id that survives a relaunch)."""
+    slurm, torchrun = os.environ.get("SLURM_JOB_ID", ""), os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    name = f"slurm-{slurm}" if slurm else f"torchrun-{torchrun}" if torchrun not in ("", "none") else ""
+    return f"runs/{Path(preset).stem or 'run'}-{name}" if name else ""

@@ -1,0 +1,46 @@
+"""One process: no launcher, nothing to exchange. Every collective of the Engine protocol is the
+identity (a sum over one rank is the value itself)."""
+import torch
+
+from models.batchnorm import convert_batchnorm
+from train.engines.launch import local_device
+
+
+class SingleProcess:
+    name = "none"
+    elastic = False
+
+    def __init__(self, cfg, launch=None):
+        self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
+        self.device = local_device(0)
+
+    def sync_batchnorm(self, model, span: int, ghost: int = 0):
+        return convert_batchnorm(model, None, 1, ghost) if ghost else model
+
+    def wrap(self, model, optimizer):
+        return model, optimizer
+
+    def step(self, loss, optimizer, precision) -> None:
+        precision.backward(loss)
+        precision.step(optimizer)
+
+    def unwrap(self, model):
+        return model
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def any(self, flag: bool) -> bool:
+        return flag
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def gather_object(self, obj) -> list:
+        return [obj]
+
+    def barrier(self) -> None:
+        pass
+
+    def shutdown(self) -> None:
+        pass

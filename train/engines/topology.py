@@ -1,0 +1,101 @@
+"""What both distributed engines share: the node layout (consecutive ranks share a node), the
+BatchNorm span groups, and the route arithmetic of the two-level all-reduces, hierarchical and torus
+(docs/allreduce.md). The planner (train/plan/comm.py) counts the same routes.
+
+The routes are pure arithmetic on rank numbers; `Topology` is the part of an engine built on them
+(TorchDistributed and Horovod inherit it): each engine brings its own `_group` (a process group or a
+process set) and `_differentiable_sum`.
+"""
+import torch
+
+from models.batchnorm import convert_batchnorm
+from train.errors import UsageError, agreed_error
+
+
+def torus_grid(world_size: int, rows: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
+    """The ranks as a grid: lines of `rows` consecutive ranks, and columns of the ranks at the same
+    position in each line. With rows = ranks per node, lines are nodes and columns join the ranks
+    with the same local rank."""
+    lines = [tuple(range(start, start + rows)) for start in range(0, world_size, rows)]
+    columns = [tuple(range(position, world_size, rows)) for position in range(rows)]
+    return lines, columns
+
+
+def two_level_routes(allreduce: str, rank: int, world_size: int, rows: int) -> list[tuple[tuple, tuple]]:
+    """This rank's routes, one per part of each gradient bucket: (scatter ranks, reduce ranks) =
+    reduce-scatter among the scatter ranks, all-reduce of each shard among the reduce ranks, all-gather
+    among the scatter ranks. hierarchical: the whole bucket rows-first (lines are nodes). torus: the
+    first half rows-first, the second half columns-first, so that both directions carry traffic at once."""
+    lines, columns = torus_grid(world_size, rows)
+    line, column = lines[rank // rows], columns[rank % rows]
+    if allreduce == "torus":
+        return [(line, column), (column, line)]
+    return [(line, column)]
+
+
+def check_bn_span(span: int, world_size: int) -> None:
+    if span < 1 or world_size % span:
+        raise UsageError(f"--bn-span {span} does not divide the {world_size} rank(s) of this launch; "
+                         "choose a divisor of the rank count (1 on one process)")
+
+
+class Topology:
+    """Node layout: consecutive ranks share a node. ranks_per_node 0 = measured from host names."""
+
+    def _layout(self, cfg, on_this_host: int) -> None:
+        """on_this_host: how many ranks share this rank's host."""
+        self.on_this_host = on_this_host  # (the cores' share: train/startup.py compute_threads)
+        self.local_size = cfg.ranks_per_node or on_this_host
+        if self.world_size % self.local_size:
+            raise UsageError(f"{self.world_size} ranks do not split into nodes of {self.local_size}; "
+                             "set --ranks-per-node to a divisor of the rank count")
+        rows = cfg.torus_rows or self.local_size
+        if cfg.allreduce == "torus" and (rows < 1 or self.world_size % rows):
+            raise UsageError(f"--torus-rows {rows} does not divide the {self.world_size} ranks of this launch; "
+                             "choose a divisor of the rank count (0: the ranks per node)")
+        self.node = self.rank // self.local_size
+        self.local_rank = self.rank % self.local_size
+        self.nodes = self.world_size // self.local_size
+
+    def _bn_groups(self, span: int) -> list[list[int]]:
+        check_bn_span(span, self.world_size)
+        return [list(range(start, start + span)) for start in range(0, self.world_size, span)]
+
+    def _bn_all_reduce(self, span: int):
+        """The sum over this rank's BatchNorm span, differentiable (backward sums too); None for span 1.
+        Every rank creates every span's group, in the same order."""
+        if span == 1:
+            return None
+        groups = [self._group(ranks) for ranks in self._bn_groups(span)]
+        return self._differentiable_sum(groups[self.rank // span])
+
+    def sync_batchnorm(self, model, span: int, ghost: int = 0):
+        if span == 1 and not ghost:
+            return model  # untouched: plain BatchNorm2d, bit for bit
+        return convert_batchnorm(model, self._bn_all_reduce(span), span, ghost)
+
+    def _two_level_grid(self) -> tuple[int, list[tuple[int, ...]], list[tuple[int, ...]]]:
+        """(rows, lines, columns) of --allreduce hierarchical (lines are nodes) or torus (lines of
+        --torus-rows, 0: the ranks per node)."""
+        rows = (self.cfg.torus_rows if self.cfg.allreduce == "torus" else 0) or self.local_size
+        return (rows, *torus_grid(self.world_size, rows))
+
+    def _two_level_routes(self) -> list[tuple[tuple, tuple]]:
+        """The routes of the two-level all-reduce (_two_level_grid), after every rank has created every
+        line's and column's group alike."""
+        rows, lines, columns = self._two_level_grid()
+        for ranks in lines + columns:
+            if len(ranks) > 1:  # a one-rank group has nothing to exchange: its steps are skipped
+                self._group(ranks)
+        return two_level_routes(self.cfg.allreduce, self.rank, self.world_size, rows)
+
+    def _check_same_model(self, model) -> None:
+        """--init-from-seed: every rank built its own model; compare float64 per-tensor sums and sums
+        of squares with rank 0's (a few numbers per tensor instead of a broadcast of the model).
+        Exact equality: the same seed and code give bit-identical tensors and the same sums."""
+        tensors = [t.detach() for t in model.state_dict().values()]
+        mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors]).cpu()
+        if self.any(not torch.equal(mine, self.broadcast_object(mine))):
+            raise agreed_error(UsageError(
+                "--init-from-seed: the ranks built different initial models from --seed (another torch "
+                "version or code on some rank?); drop --init-from-seed to start from rank 0's model"))

@@ -1,0 +1,49 @@
+"""Evaluation: top-1 and top-5 over the whole validation set, every rank its share (`evaluate`, the
+loop's at each evaluation point); whether the ranks' models are still replicas (`replicas_differing`);
+and `--test-only` (`test_only`): a saved checkpoint evaluated, nothing of the run changed."""
+import hashlib
+
+import torch
+
+from models import build_model
+from train.config import Config
+from train.startup import prepare_evaluation
+
+
+def replicas_differing(model, engine) -> int:
+    """How many ranks hold a model (weights and buffers) that is not bit for bit rank 0's."""
+    digest = hashlib.sha256()
+    for tensor in engine.unwrap(model).state_dict().values():
+        digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    differs = digest.hexdigest() != engine.broadcast_object(digest.hexdigest())
+    return int(engine.all_reduce_sum(torch.tensor(int(differs), device=engine.device)).item())
+
+
+@torch.no_grad()
+def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
+    """(top-1, top-5, images) over the whole validation set: global correct / global total."""
+    model.eval()
+    device = engine.device
+    counts = torch.zeros(3, dtype=torch.int64, device=device)  # top-1 hits, top-5 hits, images
+    for images, labels in loader.val_batches():
+        with precision.autocast():
+            logits = model(images)
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hits = top == labels[:, None]
+        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
+    counts = engine.all_reduce_sum(counts)
+    top1, top5, total = counts.tolist()
+    return top1 / max(total, 1), top5 / max(total, 1), total
+
+
+def test_only(cfg: Config) -> tuple[float, float, int]:
+    """`--test-only`: the checkpoint in --out-dir evaluated over the validation set of its run's data
+    (or --data-dir), on any engine and rank count; nothing in the run directory changes."""
+    engine, precision, loader, state = prepare_evaluation(cfg)
+    model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last).to(engine.device)
+    model.load_state_dict(state["model"])
+    top1, top5, images = evaluate(model, loader, precision, engine)
+    if engine.rank == 0:
+        print(f"top-1 {top1:.4f}  top-5 {top5:.4f}  ({images} images)", flush=True)
+    engine.shutdown()
+    return top1, top5, images
