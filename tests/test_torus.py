@@ -29,10 +29,10 @@ def test_torus_sends_the_halves_along_opposite_directions_hierarchical_one_way()
 
 
 def test_torus_rows_that_do_not_divide_the_ranks_are_refused_in_one_line():
-    topology = topology.Topology()
-    topology.rank, topology.world_size, topology.device = 0, 6, torch.device("cpu")
+    grid = topology.Topology()
+    grid.rank, grid.world_size, grid.device = 0, 6, torch.device("cpu")
     with pytest.raises(UsageError, match=r"^--torus-rows 4 does not divide the 6 ranks") as caught:
-        topology._layout(Config(allreduce="torus", torus_rows=4, ranks_per_node=2), ["host"] * 6)
+        grid._layout(Config(allreduce="torus", torus_rows=4, ranks_per_node=2), ["host"] * 6)
     assert "\n" not in str(caught.value)
 
 

@@ -60,7 +60,7 @@ class TorchDistributed(Topology):
     @staticmethod
     def _differentiable_sum(group):
         import torch.distributed._functional_collectives as functional  # differentiable: backward sums too
-        return lambda t: functional.all_reduce(t, "sum", group)
+        return lambda t: functional.wait_tensor(functional.all_reduce(t, "sum", group))  # done before it is read
 
     def wrap(self, model, optimizer):
         from torch.nn.parallel import DistributedDataParallel
