@@ -107,7 +107,7 @@ class Training:
         self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
         self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: host_memory.reserve)
         if setup.init:  # --init-from's weights, checked at start-up; every rank loads the same
-            weights, said = setup.init
+            (weights, said), setup.init = setup.init, None  # (not held for the whole run once loaded)
             model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
             self.log.print(said)
         self.model, self.optimizer = engine.wrap(model, optimizer)
