@@ -52,3 +52,23 @@ fi
 if [ -z "${SKIP_HOROVOD:-}" ]; then
     PYTHON="$py" bash scripts/install_horovod.sh
 fi
+# The cluster on one machine (scripts/cluster.sh): ip, nsenter, tc and an ssh client from Debian, and
+# openssh-server unpacked to /opt/trainer-openssh, not installed: its package would start an sshd on
+# the machine itself. Each emulated node runs its own from there.
+if [ -z "${SKIP_CLUSTER:-}" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    missing=()
+    command -v ip >/dev/null || missing+=(iproute2)
+    command -v nsenter >/dev/null || missing+=(util-linux)
+    command -v ssh >/dev/null || missing+=(openssh-client)
+    [ -e /usr/lib/x86_64-linux-gnu/libwrap.so.0 ] || [ -e /lib/x86_64-linux-gnu/libwrap.so.0 ] || missing+=(libwrap0)
+    if [ ${#missing[@]} -gt 0 ] || [ ! -x /opt/trainer-openssh/usr/sbin/sshd ]; then
+        echo "setup: cluster tools (${missing[*]:-} openssh-server unpacked to /opt/trainer-openssh)" >&2
+        apt-get update -qq >/dev/null
+        [ ${#missing[@]} -eq 0 ] || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+        debs=$(mktemp -d)
+        (cd "$debs" && apt-get download -qq openssh-server 2>/dev/null)
+        mkdir -p /opt/trainer-openssh
+        dpkg-deb -x "$debs"/openssh-server_*.deb /opt/trainer-openssh
+        rm -rf "$debs"
+    fi
+fi

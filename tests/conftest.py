@@ -13,7 +13,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # `--quick` (scripts/test.sh --quick): the working loop's tier, without the tests marked (pyproject.toml)
 # as starting several processes or taking long
-LEFT_OUT_OF_QUICK = ("slow", "multiprocess", "gpu")
+LEFT_OUT_OF_QUICK = ("slow", "multiprocess", "cluster", "gpu")
 
 
 def pytest_addoption(parser):
