@@ -7,6 +7,13 @@ trainer's sample order) as three numpy arrays in one .npz: the paths relative to
 UTF-8 blob, their offsets into it, and the labels, about 50 MB for ImageNet. It is read with
 allow_pickle=False, so loading it runs no code.
 
+Which rank writes it: rank 0 writes it beside the split; every rank may write it to its node's cache
+folder (node-local disks: each node keeps its own, written whole under a temporary name and renamed,
+so a node's ranks writing at once leave one complete file). A cache can hold an index that no longer
+fits the tree and still passes the check below (a tree replaced by one whose folders carry the same
+times, as tar and rsync -a make them); so the ranks compare digests of their lists at start-up
+(train/startup.py agree_on_samples), and list the folders again when they differ.
+
 It is keyed by the directories the walk went through (each class folder and any subfolder) and
 their modification times: adding, removing or renaming a file changes its folder's time, so a
 changed tree is noticed with one stat per folder (about 1,000 for ImageNet, not 1.3 million) and the
@@ -42,6 +49,13 @@ class SampleIndex:
         start, end = self.offsets[index], self.offsets[index + 1]
         return os.path.join(self.split_dir, self.blob[start:end].tobytes().decode("utf-8"))
 
+    def digest(self) -> str:
+        """What the list is, path by path and label by label (not where the split lies)."""
+        digest = hashlib.sha256()
+        for array in (self.blob, self.offsets, self.labels):
+            digest.update(np.ascontiguousarray(array).tobytes())
+        return digest.hexdigest()
+
     def __getitem__(self, index: int) -> tuple[str, int]:
         if not -len(self) <= index < len(self):
             raise IndexError(index)
@@ -57,17 +71,18 @@ class SampleIndex:
         return cls(split_dir, blob, offsets, np.array([label for _, label in samples], dtype=np.int32))
 
 
-def load_samples(split_dir: Path, classes: list[str]) -> SampleIndex:
+def load_samples(split_dir: Path, classes: list[str], shared_writer: bool = True, relist: bool = False) -> SampleIndex:
     """The split's samples from its index when the index matches the tree, else listed (and the
-    index written for the next run)."""
+    index written for the next run: beside the split only by the `shared_writer`, rank 0). `relist`:
+    list the tree whatever index there is."""
     split_dir = Path(split_dir)
-    for path in _index_paths(split_dir):
+    for path in [] if relist else _index_paths(split_dir):
         index = _read(path, split_dir, classes)
         if index is not None:
             return index
     samples = list_samples(split_dir, classes)
     index = SampleIndex.of(split_dir, samples)
-    _write(index, split_dir, classes, _walked_dirs(split_dir, samples))
+    _write(index, split_dir, classes, _walked_dirs(split_dir, samples), shared_writer)
     return index
 
 
@@ -111,13 +126,17 @@ def _read(path: Path, split_dir: Path, classes: list[str]) -> SampleIndex | None
         return None
 
 
-def _write(index: SampleIndex, split_dir: Path, classes: list[str], dirs: list[str]) -> None:
-    """Beside the split if it is writable, else in the cache folder; a write that fails only costs
-    the next run a listing. Written under a temporary name and renamed: readers see all or nothing."""
+def _write(index: SampleIndex, split_dir: Path, classes: list[str], dirs: list[str], shared_writer: bool) -> None:
+    """Beside the split if it is writable (by the shared writer only), else in the cache folder; a
+    write that fails only costs the next run a listing. Written under a temporary name and renamed:
+    readers see all or nothing."""
     arrays = dict(blob=index.blob, offsets=index.offsets, labels=index.labels,
                   dirs=np.frombuffer("\n".join(dirs).encode("utf-8"), dtype=np.uint8),
                   stamp=np.array(_stamp(split_dir, classes, dirs)[0]), built_ns=np.array(time.time_ns()))
-    for path in _index_paths(split_dir):
+    beside, cached = _index_paths(split_dir)
+    if not shared_writer and os.access(split_dir.parent, os.W_OK):
+        return  # the shared writer writes beside the split: the others would only write it again
+    for path in (beside, cached):
         staging = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)

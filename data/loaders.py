@@ -4,6 +4,7 @@ data/__init__.py chooses one by name.
 
 A Loader knows its sizes and yields device batches; the loop never asks which one it has.
 """
+import hashlib
 from dataclasses import dataclass, fields
 from pathlib import Path
 
@@ -32,6 +33,7 @@ class LoaderSettings:
     synthetic_val_images: int = 50_000
     synthetic_classes: int = 1000
     evaluate_only: bool = False  # --test-only: the training split is not read, so its size is not checked
+    relist: bool = False  # list the folders again, trusting no index (the ranks' lists differed: data/index.py)
 
     @classmethod
     def of(cls, settings, **changes) -> "LoaderSettings":
@@ -58,6 +60,7 @@ class Loader:
     """Sizes plus two iterators of device batches, and a tally of unreadable files skipped."""
     empty_classes: list[str] = []
     class_names: list[str] | None = None  # the class folders' names, index by index (None: synthetic data)
+    sample_list_digest = ""  # what this rank trains and evaluates on: the same on every rank (train/startup.py)
     # the positions in the epoch's global order of the training batch handed out last (the loop's
     # ledger: each position once per epoch, whatever the rank count)
     last_positions: range = range(0)
@@ -107,7 +110,9 @@ class FileLoader(Loader):
 
     def __init__(self, cfg, classes: list[str], rank: int, world_size: int):
         root = Path(cfg.data_dir)
-        self.train_source, self.val_source = open_split(root, "train", classes), open_split(root, "val", classes)
+        self.train_source, self.val_source = (open_split(root, split, classes, rank == 0, getattr(cfg, "relist", False)) for split in ("train", "val"))
+        digest = hashlib.sha256(f"{self.train_source.digest()} {self.val_source.digest()}".encode())
+        self.sample_list_digest = digest.hexdigest()[:32]
         self.sampler = TrainBatchSampler(len(self.train_source), cfg.batch_size, rank, world_size, cfg.seed)
         self.class_names = list(classes)  # (a run records them: --test-only compares a --data-dir's with them)
         if len(self.train_source) < self.sampler.global_batch and not cfg.evaluate_only:
@@ -138,6 +143,8 @@ class SyntheticLoader(Loader):
             raise DataError(f"--synthetic-images {cfg.synthetic_images} is fewer than one global batch of {self.global_batch}")
         super().__init__(cfg.synthetic_classes, cfg.synthetic_images, cfg.synthetic_val_images,
                          cfg.synthetic_images // self.global_batch)
+        described = f"synthetic {cfg.synthetic_images} {cfg.synthetic_val_images} {cfg.synthetic_classes} {cfg.seed} {cfg.image_size}"
+        self.sample_list_digest = hashlib.sha256(described.encode()).hexdigest()[:32]
 
     def _batch(self, indices: torch.Tensor):
         images, labels = synthetic_batch(indices, self.cfg.seed, self.cfg.image_size, self.num_classes, self.device)

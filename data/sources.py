@@ -23,9 +23,12 @@ def complete_png(payload: bytes) -> bool:
 class FolderSource:
     """The (image, label) samples of one split of an ImageFolder tree, from its index (data/index.py)."""
 
-    def __init__(self, split_dir: Path, classes: list[str]):
-        self.samples = load_samples(split_dir, classes)
+    def __init__(self, split_dir: Path, classes: list[str], shared_writer: bool = True, relist: bool = False):
+        self.samples = load_samples(split_dir, classes, shared_writer, relist)
         self.targets = self.samples.labels
+
+    def digest(self) -> str:
+        return self.samples.digest()
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -43,6 +46,12 @@ class ShardSource(ShardSamples):
     """The (image, label) samples of one split's tar shards."""
     targets = None  # labels live inside the shards; reading them all up front would cost a pass
 
+    def digest(self) -> str:
+        import hashlib
+        import json
+        listed = [(Path(tar).name, sample) for tar, sample in self.entries]
+        return hashlib.sha256(json.dumps(listed, sort_keys=True).encode()).hexdigest()
+
 
 def first_readable(source, index: int, attempt):
     """(attempt(position), names skipped) for the first position from `index` on (wrapping round the
@@ -58,6 +67,9 @@ def first_readable(source, index: int, attempt):
     raise DataError("no readable training image at all")
 
 
-def open_split(root: Path, split: str, classes: list[str]):
-    """The samples of one split: tar shards when the folder holds them, else an ImageFolder tree."""
-    return ShardSource(root / split) if is_shard_tree(root) else FolderSource(root / split, classes)
+def open_split(root: Path, split: str, classes: list[str], shared_writer: bool = True, relist: bool = False):
+    """The samples of one split: tar shards when the folder holds them, else an ImageFolder tree
+    (its index written beside it by the `shared_writer` only; `relist`: trust no index)."""
+    if is_shard_tree(root):
+        return ShardSource(root / split)
+    return FolderSource(root / split, classes, shared_writer, relist)

@@ -2,8 +2,8 @@
 # A cluster of N nodes on this one Linux machine, for trying multi-node launches and faults
 # (docs/cluster.md). Root only. Each node is a network, host-name (UTS) and mount namespace:
 #
-#   bash scripts/cluster.sh up DIR --nodes N [--link-rate RATE] [--slurm]
-#       makes node1..nodeN; prints `export NAME=VALUE` lines to paste (CLUSTER, with --slurm SLURM_CONF)
+#   bash scripts/cluster.sh up DIR --nodes N [--link-rate RATE]
+#       makes node1..nodeN; prints `export NAME=VALUE` lines to paste (CLUSTER)
 #   bash scripts/cluster.sh exec DIR NODE -- CMD ...   runs CMD on NODE (its host name, networks, disks)
 #                                                      with the caller's environment and directory
 #   bash scripts/cluster.sh link DIR NODE down|up      unplugs / plugs NODE's data0 cable at the switch
@@ -19,7 +19,7 @@
 set -euo pipefail
 
 die() { echo "cluster: $*" >&2; exit 2; }
-usage() { die "usage: cluster.sh up DIR --nodes N [--link-rate RATE] [--slurm] | exec DIR NODE -- CMD... | link DIR NODE down|up|rate RATE | down DIR"; }
+usage() { die "usage: cluster.sh up DIR --nodes N [--link-rate RATE] | exec DIR NODE -- CMD... | link DIR NODE down|up|rate RATE | down DIR"; }
 
 checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 REGISTRY=/run/trainer-cluster       # one folder per running cluster: namespace files, its DIR
@@ -88,6 +88,7 @@ exec)
     [ "${1:-}" = -- ] && shift
     [ $# -ge 1 ] || usage
     # the caller's folder when the node has it (the shared paths), else DIR
+    # shellcheck disable=SC2016  # the inner shell expands them
     HOSTNAME=node$i exec nsenter --net="/run/netns/$(node_ns "$i")" --uts="$run/node$i.uts" --mount="$run/node$i.mnt" -- \
         /bin/sh -c 'cd "$1" 2>/dev/null || cd "$2"; shift 2; exec "$@"' sh "$PWD" "$dir" "$@"
     ;;
@@ -113,7 +114,7 @@ while [ $# -gt 0 ]; do
     case $1 in
     --nodes) nodes=${2:-}; shift 2 ;;
     --link-rate) rate=${2:-}; shift 2 ;;
-    --slurm) slurm=1; shift ;;
+    --slurm) die "--slurm (one slurmctld and a slurmd per node) is not built yet; the one-node Slurm is scripts/slurm/local_cluster.sh" ;;
     *) usage ;;
     esac
 done
@@ -127,16 +128,15 @@ done
 if [ -d "$run" ]; then
     die "a cluster is already up at $(cat "$run/dir" 2>/dev/null || echo "$dir"); run: bash scripts/cluster.sh down $dir"
 fi
-for other in "$REGISTRY"/*/octet; do
-    [ -f "$other" ] && [ "$(cat "$other")" = "$octet" ] && \
-        die "the cluster at $(cat "$(dirname "$other")/dir") uses the same addresses (198.18.$octet.0/24); take it down or choose another DIR"
-done
+# (another cluster may use the same addresses: each cluster's nodes and switch are namespaces of
+# their own, so they never meet; only the names, from DIR's digest, must differ)
 probe=tcprobe$$
-ip netns add "$probe" 2>/dev/null && ip netns del "$probe" \
+{ ip netns add "$probe" 2>/dev/null && ip netns del "$probe"; } \
     || die "this machine cannot make network namespaces (ip netns add failed: not root in the machine's own namespace, or a container without CAP_SYS_ADMIN)"
 unshare --uts --mount true 2>/dev/null || die "this machine cannot make UTS and mount namespaces (unshare failed)"
 
 # a failed up leaves nothing behind (die has said why; anything else gets a line of its own)
+# shellcheck disable=SC2154  # status is the trap's own
 trap 'status=$?; [ $status = 0 ] || { [ $status = 2 ] || echo "cluster: up failed; taking down what it made" >&2; down; }; exit $status' EXIT
 
 mkdir -p "$run" "$dir/shared" "$dir/ssh"
@@ -144,7 +144,6 @@ mkdir -p "$run" "$dir/shared" "$dir/ssh"
 mount --bind "$run" "$run"
 mount --make-private "$run"
 echo "$dir" > "$run/dir"
-echo "$octet" > "$run/octet"
 cat > "$dir/cluster.env" <<ENV
 nodes=$nodes
 slurm=$slurm
@@ -276,9 +275,4 @@ for i in $(seq "$nodes"); do
     in_node "$i" ssh "node$j" true </dev/null >/dev/null 2>&1 || die "node$i cannot ssh to node$j; see $dir/nodes/node$j/sshd.log"
 done
 
-if [ "$slurm" = 1 ]; then
-    SLURM_NODES=$nodes bash "$checkout/scripts/slurm/cluster_slurm.sh" "$dir" "$octet" "$run" >&2
-fi
-
 echo "export CLUSTER=$(printf %q "$dir")"
-[ "$slurm" = 0 ] || echo "export SLURM_CONF=$(printf %q "$dir/slurm/slurm.conf")"

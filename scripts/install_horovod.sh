@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Builds and installs Horovod 0.28.1 with PyTorch support from its PyPI sdist, patched to C++20
-# (torch >= 2.13 headers need it; Horovod hard-codes C++14). Idempotent: does nothing when
+# (torch >= 2.13 headers need it; Horovod hard-codes C++14) and to keep its collectives on the
+# network interface named (PATCHES below). Idempotent: does nothing when
 # `import horovod.torch` already works. The built wheel is cached per (python, torch) so a rebuild
 # on the same machine is a copy.
 #
@@ -12,8 +13,16 @@ cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 VERSION=0.28.1
 
-# done when Horovod imports, with MPI wherever Open MPI's compiler is there (mpirun launches need it)
-if "$PY" -c "import horovod.torch as h, shutil, sys; sys.exit(not (h.mpi_built() or not shutil.which('mpicxx')))" 2>/dev/null; then
+# Our patches to the sdist; the number goes up when they change, and an older build is replaced:
+#  1. C++20 (above).
+#  2. Process sets over gloo take HOROVOD_GLOO_IFACE as the global context does: Horovod's own code
+#     leaves their interface empty, so gloo takes the host name's address, and every collective (all
+#     run on process sets, the global one included) goes over that network whatever the setting.
+PATCHES=2
+# done when this build of ours imports, with MPI wherever Open MPI's compiler is there (mpirun needs it)
+if "$PY" -c "import horovod.torch as h, shutil, sys, pathlib
+stamp = pathlib.Path(h.__file__).parents[1] / 'trainer-patches'
+sys.exit(not (h.mpi_built() or not shutil.which('mpicxx')) or not stamp.exists() or stamp.read_text().strip() != '$PATCHES')" 2>/dev/null; then
     exit 0
 fi
 
@@ -35,7 +44,7 @@ MAKEFLAGS="-j$(nproc)"
 export MAKEFLAGS HOROVOD_BUILD_ARCH_FLAGS=${HOROVOD_BUILD_ARCH_FLAGS:-}
 
 key=$("$PY" -c "import sys, torch; print(f'py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}')" | tr '+' '_')
-flavour=$(env | grep -E '^HOROVOD_(WITH|WITHOUT|GPU|BUILD_CUDA)' | sort | sha1sum | cut -c1-8)
+flavour=$( (env | grep -E '^HOROVOD_(WITH|WITHOUT|GPU|BUILD_CUDA)' | sort; echo "patches $PATCHES") | sha1sum | cut -c1-8)
 cache="${TRAINER_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/resnet-trainer}/wheels/horovod-$VERSION-$key-$flavour"
 if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
     work=$(mktemp -d)
@@ -47,6 +56,16 @@ if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
     sed -i 's/set(CMAKE_CXX_STANDARD 14)/set(CMAKE_CXX_STANDARD 20)/' "$src/CMakeLists.txt" "$src/horovod/torch/CMakeLists.txt"
     sed -i 's/"-std=c++17" GLOO_CMAKE/"-std=c++20" GLOO_CMAKE/; s/set(CMAKE_CXX_STANDARD 17)\\n/set(CMAKE_CXX_STANDARD 20)\\n/' "$src/CMakeLists.txt"
     grep -q 'CMAKE_CXX_STANDARD 20' "$src/horovod/torch/CMakeLists.txt" || { echo "install_horovod: patch did not apply" >&2; exit 1; }
+    context="$src/horovod/common/gloo/gloo_context.cc"
+    "$PY" - "$context" <<'PATCH'
+import sys
+path = sys.argv[1]
+text = open(path).read()
+head, sep, tail = text.partition("void GlooContext::InitializeForProcessSet(")
+assert sep and "device_attr.iface = gloo_iface_;" in tail, "install_horovod: the process-set patch did not apply"
+open(path, "w").write(head + sep + tail.replace("device_attr.iface = gloo_iface_;",
+                                                "device_attr.iface = global_context.gloo_iface_;\n  gloo_iface_ = global_context.gloo_iface_;", 1))
+PATCH
     "$PY" -m pip install -q cmake 2>/dev/null || true  # a recent CMake if the system one is old
     "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$work/wheel"
     mkdir -p "$cache"
@@ -55,4 +74,5 @@ fi
 "$PY" -m pip install -q --no-deps --force-reinstall "$cache"/horovod-*.whl
 "$PY" -m pip install -q cffi cloudpickle psutil pyyaml packaging  # Horovod's and horovodrun's own needs
 "$PY" -c "import horovod.torch" || { echo "install_horovod: horovod.torch does not import after the build" >&2; exit 1; }
+echo "$PATCHES" > "$("$PY" -c 'import horovod, pathlib; print(pathlib.Path(horovod.__file__).parents[1])')/trainer-patches"
 echo "install_horovod: $("$PY" -c 'import horovod; print(horovod.__version__)') installed" >&2

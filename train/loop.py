@@ -22,6 +22,7 @@ from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.config import PREEMPTED_MARKER, Config, to_dict
+from train.engines.topology import node_summary
 from train.errors import Diverged, Preempted, RunAborted, UsageError, agreed_error
 from train.evaluate import evaluate, replicas_differing
 from train.host_memory import host_copy, reserve
@@ -154,14 +155,19 @@ class Training:
         data_dir, note = self.setup.data_dir, self.setup.lr_note
         device = engine.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
+        where, layout = node_summary(engine.hosts) if engine.hosts else ("", {})  # (Horovod Elastic: no hosts)
         header = (f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
-                  f"{loader.train_images} train / {loader.val_images} val images | {engine.world_size} rank(s) x batch "
+                  f"{loader.train_images} train / {loader.val_images} val images | {where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch "
                   f"{cfg.batch_size} = global batch {cfg.global_batch_size}{f', then epochs:batch {cfg.batch_schedule}' if cfg.batch_schedule else ''} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
                   f"{cfg.warmup_epochs:g} epochs{f' ({note})' if note else ''} | {self.precision.name} on "
                   f"{device.type}, {_count(torch.get_num_threads(), 'thread')} | {self.out_dir}")
         self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}",
                        train_images=loader.train_images, val_images=loader.val_images,
                        precision=self.precision.name, schedule=self.schedule)
+        if layout:  # how the ranks lie on the nodes, from their host names, and what they all train on
+            self.log.metrics(kind="topology", **layout, hosts=engine.hosts, sample_list_digest=loader.sample_list_digest)
+        for line in self.setup.warnings:
+            self.log.warning(line)
         if loader.empty_classes:
             self.log.warning(f"{len(loader.empty_classes)} class folder(s) hold no training images: "
                              f"{', '.join(loader.empty_classes[:5])}", kind="data", empty_classes=loader.empty_classes)

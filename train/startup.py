@@ -44,6 +44,7 @@ class Setup:
     init: "tuple[dict, str] | None"  # --init-from's checked weights and the line that says where the run starts
     restart_flags: str  # what a restart must add to the command to find a time-stamped run directory again
     started_ms: int  # when start-up began (MLLOG's init_start)
+    warnings: list = dataclasses.field(default_factory=list)  # for the run's log, once it exists
 
     def reshare(self) -> None:
         """After the engine's rank count changed: every phase of --batch-schedule checked against the
@@ -62,11 +63,42 @@ def prepare(cfg: Config) -> Setup:
     started_ms = int(time.time() * 1000)
     engine = create_engine(cfg)
     cfg, loader, precision, data_dir, note, init = agreed(engine, lambda: checked_setup(cfg, engine))
+    loader, relisted = agree_on_samples(engine, cfg, precision, data_dir, loader)
     out_dir, lock = agreed(engine, lambda: make_out_dir(cfg, engine))
     return Setup(cfg=dataclasses.replace(cfg, out_dir=str(out_dir)), engine=engine, precision=precision,
                  loader=loader, data_dir=data_dir, lr_note=note, out_dir=out_dir, lock=lock,
                  ghost=ghost_group(cfg, engine.world_size), init=init,
-                 restart_flags="" if cfg.out_dir else f" with --out-dir {out_dir}", started_ms=started_ms)
+                 restart_flags="" if cfg.out_dir else f" with --out-dir {out_dir}", started_ms=started_ms,
+                 warnings=[relisted] if relisted else [])
+
+
+def agree_on_samples(engine, cfg: Config, precision: Precision, data_dir: str, loader) -> tuple:
+    """(loader, warning or ""): every rank trains on the same sample list. Each rank reads its list
+    from an index (data/index.py), and a node's own cache may hold one that passes the index's check
+    but lists other files; so the ranks compare digests of their lists, and when any differs from rank
+    0's, every rank lists the folders again, trusting no index. Lists that still differ mean the nodes
+    see different data: refused on every rank. (Horovod Elastic: no collective before its state sync;
+    each rank keeps its own list.)"""
+    if engine.elastic or engine.world_size == 1:
+        return loader, ""
+    digests = engine.gather_object(loader.sample_list_digest)
+    if len(set(digests)) == 1:
+        return loader, ""
+    differing = [rank for rank, digest in enumerate(digests) if digest != digests[0]]
+
+    def relisted():
+        loader.close()
+        return _build_loader(cfg, engine, precision, data_dir, relist=True)
+    loader = agreed(engine, relisted)
+    again = engine.gather_object(loader.sample_list_digest)
+    hosts = engine.hosts or ["?"] * engine.world_size
+    where = ", ".join(f"{rank} on {hosts[rank]}" for rank in differing)
+    if len(set(again)) > 1:
+        still = ", ".join(f"{rank} on {hosts[rank]}" for rank, digest in enumerate(again) if digest != again[0])
+        raise agreed_error(UsageError(f"the ranks see different images in {data_dir}: rank(s) {still} list other "
+                                      f"files than rank 0 on {hosts[0]}; give every node the same data folder"))
+    return loader, (f"rank(s) {where} read another sample list of {data_dir} than rank 0 (a stale index in a "
+                    "node's cache); every rank listed the folders again, and now they agree")
 
 
 def prepare_evaluation(cfg: Config) -> tuple:
@@ -90,6 +122,9 @@ def prepare_evaluation(cfg: Config) -> tuple:
 
 
 def create_engine(cfg: Config):
+    # TRAINER_IFACE, before any library starts: a host may lack it while others have it, so the error
+    # is this rank's own (printed by every rank that meets it)
+    engines.use_interface()
     try:
         engine = engines.create(cfg)
     except UsageError as err:  # decided by the flags and the launcher's environment: alike on every rank
@@ -165,8 +200,8 @@ def checked_setup(cfg: Config, engine):
     return cfg, loader, precision, data_dir, note, init
 
 
-def _build_loader(cfg: Config, engine, precision: Precision, data_dir: str):
-    return build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name),
+def _build_loader(cfg: Config, engine, precision: Precision, data_dir: str, relist: bool = False):
+    return build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name, relist=relist),
                         engine.rank, engine.world_size, engine.device)
 
 

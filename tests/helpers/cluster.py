@@ -1,6 +1,7 @@
 """A cluster of nodes on this machine for the multi-node tests: scripts/cluster.sh run as a user would
 (up, exec, link, down), with `down` guaranteed however a test ends."""
 import contextlib
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,34 @@ class Cluster:
         with open(log, "w") as out:
             return subprocess.Popen(self.command(node, *command), cwd=cwd or self.shared, env=node_env(env),
                                     stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def horovodrun(self, *args, mpi=False, env=None, timeout=300, hosts="node1:2,node2:2"):
+        """horovodrun on node1 reaching the nodes over ssh (2 ranks on each by default), training."""
+        return self.run("node1", *self.horovodrun_command(*args, mpi=mpi, hosts=hosts), env=env, timeout=timeout)
+
+    @staticmethod
+    def horovodrun_command(*args, mpi=False, hosts="node1:2,node2:2") -> list:
+        ranks = sum(int(h.split(":")[1]) for h in hosts.split(","))
+        return [BIN / "horovodrun", "-np", ranks, "-H", hosts, "--disable-cache", "--mpi" if mpi else "--gloo",
+                PYTHON, "-m", "train", *args]
+
+    def torchrun(self, folder: Path, *args, nodes=("node1", "node2"), per_node=2, env=None) -> list[subprocess.Popen]:
+        """One torchrun agent per node, `per_node` workers each, meeting at node1's c10d rendezvous;
+        their output goes to folder/NODE.log."""
+        return [self.start(node, PYTHON, "-m", "torch.distributed.run", "--nnodes", len(nodes), "--nproc-per-node", per_node,
+                           "--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29400", "--rdzv-id", "job",
+                           "-m", "train", *args, log=folder / f"{node}.log", env=env)
+                for node in nodes]
+
+    def kill_node(self, node: str) -> None:
+        """Every process of NODE killed at once, as when it dies, but its sshd (so that it can serve again)."""
+        import signal
+        listener = int((self.folder / "nodes" / node / "run" / "sshd.pid").read_text())
+        ns = f"tc{cluster_id(self.folder)}n{node[4:]}"
+        for pid in subprocess.run(["ip", "netns", "pids", ns], capture_output=True, text=True).stdout.split():
+            if int(pid) != listener:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
 
     def link(self, node: str, *how) -> None:
         result = cluster_script("link", self.folder, node, *how)

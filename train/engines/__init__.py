@@ -15,11 +15,12 @@ import torch
 
 from train.engines.horovod import Horovod
 from train.engines.launch import Launch, choose_engine, detect_launch
+from train.engines.network import use_interface
 from train.engines.single import SingleProcess
 from train.engines.torch_distributed import TorchDistributed
 from train.errors import UsageError
 
-__all__ = ["ALLREDUCE", "ENGINES", "Engine", "Launch", "create", "detect_launch"]
+__all__ = ["ALLREDUCE", "ENGINES", "Engine", "Launch", "create", "detect_launch", "use_interface"]
 
 ALLREDUCE = ("flat", "hierarchical", "torus")  # --allreduce NAME
 
@@ -33,6 +34,7 @@ class Engine(Protocol):
     local_size: int
     device: torch.device
     elastic: bool  # the rank count may change while the process runs (Horovod Elastic)
+    hosts: list[str] | None  # every rank's host name in rank order: the nodes (None: not known, Horovod Elastic)
 
     def sync_batchnorm(self, model: torch.nn.Module, span: int, ghost: int = 0) -> torch.nn.Module:
         """BatchNorm statistics over groups of `span` consecutive ranks and, with `ghost` G > 0, over

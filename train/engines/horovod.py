@@ -6,12 +6,12 @@ Horovod polls and sleeps (horovod_result) instead of spinning.
 """
 import contextlib
 import os
-import socket
 import time
 
 import torch
 
 from train.engines.launch import local_device
+from train.engines.network import collective_timeout, set_library_timeouts
 from train.engines.topology import Topology
 from train.errors import UsageError
 
@@ -46,6 +46,8 @@ class Horovod(Topology):
             # read by hvd.init() only; Horovod ignores it on one node and without MPI (wrap() then takes
             # the two-level optimizer: horovod_hierarchical)
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
+        if not self.elastic:  # (elastic: Horovod's own timeouts drive its recovery; left as they are)
+            set_library_timeouts(collective_timeout())  # gloo's, as a backstop (train/engines/network.py)
         hvd.init()
         self.rejoin()
 
@@ -55,8 +57,10 @@ class Horovod(Topology):
         hvd = self.hvd
         self.rank, self.world_size = hvd.rank(), hvd.size()
         self.device = local_device(hvd.local_rank())
-        host = socket.gethostname()
-        self._layout(self.cfg, hvd.local_size() if self.elastic else hvd.allgather_object(host).count(host))
+        if self.elastic:  # (the hosts are not known without a collective)
+            self._layout(self.cfg, hvd.local_size())
+        else:
+            self._meet(self.cfg, hvd.allgather_object)
         self._groups = {}
 
     def _group(self, ranks):
@@ -100,10 +104,11 @@ class Horovod(Topology):
     def step(self, loss, optimizer, precision) -> None:
         """All-reduce, synchronise, then unscale and check: every rank sees the same averaged
         gradients, so an overflow on one rank skips the step on all of them together."""
-        precision.backward(loss)
-        optimizer.synchronize()
-        with optimizer.skip_synchronize():
-            precision.step(optimizer)
+        with self._waiting("the gradient all-reduce"):
+            precision.backward(loss)
+            optimizer.synchronize()
+            with optimizer.skip_synchronize():
+                precision.step(optimizer)
 
     def unwrap(self, model):
         return model
@@ -120,19 +125,24 @@ class Horovod(Topology):
                 t.copy_(buffer)
 
     def all_reduce_sum(self, tensor):
-        return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="metrics")
+        with self._waiting("a sum of metrics"):
+            return self.hvd.allreduce(tensor, op=self.hvd.Sum, name="metrics")
 
     def any(self, flag: bool) -> bool:
-        return bool(self.hvd.allreduce(torch.tensor([int(flag)]), op=self.hvd.Max, name="stop_flag").item())
+        with self._waiting("an agreement"):
+            return bool(self.hvd.allreduce(torch.tensor([int(flag)]), op=self.hvd.Max, name="stop_flag").item())
 
     def broadcast_object(self, obj):
-        return self.hvd.broadcast_object(obj, root_rank=0)
+        with self._waiting("a broadcast"):
+            return self.hvd.broadcast_object(obj, root_rank=0)
 
     def gather_object(self, obj) -> list:
-        return self.hvd.allgather_object(obj)
+        with self._waiting("an all-gather"):
+            return self.hvd.allgather_object(obj)
 
     def barrier(self):
-        self.hvd.barrier()
+        with self._waiting("a barrier"):
+            self.hvd.barrier()
 
     def shutdown(self):
         # every rank first: a rank whose own operations are done (say, rank 0 after its last all-gather of

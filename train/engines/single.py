@@ -1,5 +1,7 @@
 """One process: no launcher, nothing to exchange. Every collective of the Engine protocol is the
 identity (a sum over one rank is the value itself)."""
+import socket
+
 import torch
 
 from models.batchnorm import convert_batchnorm
@@ -12,6 +14,7 @@ class SingleProcess:
 
     def __init__(self, cfg, launch=None):
         self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
+        self.hosts = [socket.gethostname()]
         self.device = local_device(0)
 
     def sync_batchnorm(self, model, span: int, ghost: int = 0):

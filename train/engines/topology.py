@@ -6,9 +6,14 @@ The routes are pure arithmetic on rank numbers; `Topology` is the part of an eng
 (TorchDistributed and Horovod inherit it): each engine brings its own `_group` (a process group or a
 process set) and `_differentiable_sum`.
 """
+import contextlib
+import os
+import socket
+
 import torch
 
 from models.batchnorm import convert_batchnorm
+from train.engines.network import Watchdog, collective_timeout, interface_address
 from train.errors import UsageError, agreed_error
 
 
@@ -39,8 +44,50 @@ def check_bn_span(span: int, world_size: int) -> None:
                          "choose a divisor of the rank count (1 on one process)")
 
 
+def node_summary(hosts: list[str]) -> tuple[str, dict]:
+    """The nodes, from the ranks' host names (one per rank, in rank order): for the header ('2 node(s) x
+    2 rank(s): ', uneven '2 node(s) (3+1 ranks): ') and the topology record ({nodes, ranks_per_node},
+    0 and ranks_on_nodes when uneven)."""
+    counts: dict[str, int] = {}
+    for host in hosts:
+        counts[host] = counts.get(host, 0) + 1
+    ranks = list(counts.values())
+    if len(set(ranks)) == 1:
+        return f"{len(counts)} node(s) x {ranks[0]} rank(s): ", {"nodes": len(counts), "ranks_per_node": ranks[0]}
+    return (f"{len(counts)} node(s) ({'+'.join(map(str, ranks))} ranks): ",
+            {"nodes": len(counts), "ranks_per_node": 0, "ranks_on_nodes": ranks})
+
+
 class Topology:
     """Node layout: consecutive ranks share a node. ranks_per_node 0 = measured from host names."""
+    watchdog = None
+    hosts: list[str] | None = None  # every rank's host name, in rank order (None: not known, under Horovod Elastic)
+
+    def _meet(self, cfg, gather) -> None:
+        """Who is where, in one all-gather (`gather`, the engine's): every rank's host name and liveness
+        address (train/engines/network.py), then the node layout from the host names."""
+        if self.watchdog is None:  # (once per process: Horovod Elastic meets again after a change)
+            self.watchdog = Watchdog(collective_timeout(), self.rank, interface_address(os.environ.get("TRAINER_IFACE")))
+        self.watchdog.rank = self.rank
+        everyone = gather((socket.gethostname(), *self.watchdog.listener.getsockname()[:2]))
+        self.hosts = [host for host, _, _ in everyone]
+        self.watchdog.peers = [(rank, host, address, port) for rank, (host, address, port) in enumerate(everyone)]
+        self._layout(cfg, self.hosts.count(self.hosts[self.rank]))
+        if cfg.allreduce != "flat" and not cfg.ranks_per_node:
+            self._check_nodes_are_lines()
+
+    def _check_nodes_are_lines(self) -> None:
+        """The two-level all-reduces take consecutive ranks as a node: the launcher must number them so."""
+        placed = [self.hosts[rank - rank % self.local_size] for rank in range(self.world_size)]
+        if placed != self.hosts:
+            stray = next(rank for rank in range(self.world_size) if placed[rank] != self.hosts[rank])
+            raise UsageError(f"--allreduce {self.cfg.allreduce} takes each node's ranks as consecutive numbers, but rank "
+                             f"{stray} runs on {self.hosts[stray]}, not {placed[stray]}; launch the ranks node by node "
+                             "(mpirun --map-by slot, horovodrun -H in node order) or set --ranks-per-node")
+
+    def _waiting(self, what: str):
+        """A wait on the other ranks, bounded by TRAINER_COLLECTIVE_TIMEOUT_S (the watchdog)."""
+        return self.watchdog.waiting(what) if self.watchdog else contextlib.nullcontext()
 
     def _layout(self, cfg, on_this_host: int) -> None:
         """on_this_host: how many ranks share this rank's host."""

@@ -5,16 +5,13 @@ train/engines/topology.py. Launched by torchrun, Slurm's srun, or mpirun with MA
 import datetime
 import inspect
 import os
-import socket
 
 import torch
 
 from train.engines.launch import detect_launch, local_device
+from train.engines.network import collective_timeout, set_library_timeouts
 from train.engines.topology import Topology
 from train.errors import UsageError
-
-COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=int(os.environ.get("TRAINER_COLLECTIVE_TIMEOUT_S", "300")))
-
 
 
 class TorchDistributed(Topology):
@@ -40,13 +37,13 @@ class TorchDistributed(Topology):
         env.setdefault("MASTER_PORT", "29500")
         self.device = local_device(local_rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=COLLECTIVE_TIMEOUT,
+        # the backstop; the watchdog (train/engines/network.py) ends a wait at TRAINER_COLLECTIVE_TIMEOUT_S
+        timeout = datetime.timedelta(seconds=set_library_timeouts(collective_timeout()))
+        dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                 device_id=self.device if backend == "nccl" else None)
         # host-side control messages (stop flags) travel over gloo: no GPU sync
-        self.control = dist.new_group(backend="gloo", timeout=COLLECTIVE_TIMEOUT) if backend == "nccl" else None
-        hostnames = [None] * self.world_size
-        dist.all_gather_object(hostnames, socket.gethostname(), group=self.control)
-        self._layout(cfg, hostnames.count(hostnames[self.rank]))
+        self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
+        self._meet(cfg, self._gather_object)
         self._groups = {}
 
     def _group(self, ranks):
@@ -86,8 +83,9 @@ class TorchDistributed(Topology):
         return ddp, optimizer
 
     def step(self, loss, optimizer, precision) -> None:
-        precision.backward(loss)  # DDP averages the gradients during backward
-        precision.step(optimizer)
+        with self._waiting("the gradient all-reduce"):
+            precision.backward(loss)  # DDP averages the gradients during backward
+            precision.step(optimizer)
 
     def unwrap(self, model):
         return model.module
@@ -158,26 +156,34 @@ class TorchDistributed(Topology):
         return result
 
     def all_reduce_sum(self, tensor):
-        self.dist.all_reduce(tensor)
+        with self._waiting("a sum of metrics"):
+            self.dist.all_reduce(tensor)
         return tensor
 
     def any(self, flag: bool) -> bool:
         t = torch.tensor([int(flag)])
-        self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.control)
+        with self._waiting("an agreement"):
+            self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.control)
         return bool(t.item())
 
     def broadcast_object(self, obj):
         box = [obj]
-        self.dist.broadcast_object_list(box, src=0, group=self.control)
+        with self._waiting("a broadcast"):
+            self.dist.broadcast_object_list(box, src=0, group=self.control)
         return box[0]
 
     def gather_object(self, obj) -> list:
+        with self._waiting("an all-gather"):
+            return self._gather_object(obj)
+
+    def _gather_object(self, obj) -> list:
         everyone = [None] * self.world_size
         self.dist.all_gather_object(everyone, obj, group=self.control)
         return everyone
 
     def barrier(self):
-        self.dist.barrier(group=self.control)
+        with self._waiting("a barrier"):
+            self.dist.barrier(group=self.control)
 
     def shutdown(self):
         self.dist.destroy_process_group()

@@ -1,0 +1,144 @@
+"""The trainer across two nodes of the cluster on this machine (scripts/cluster.sh): every launcher
+reaching the other node as on a real cluster, the nodes taken from the host names, the collectives on
+the data network when TRAINER_IFACE names it, and a bad interface refused (docs/cluster.md)."""
+import json
+import time
+
+import pytest
+import torch
+
+from tests.helpers.cluster import PYTHON, cluster_up
+
+pytestmark = [pytest.mark.cluster, pytest.mark.multiprocess]
+
+TINY = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 256,
+        "--synthetic-val-images", 16, "--synthetic-classes", 10, "--global-batch-size", 16, "--max-steps", 3,
+        "--eval-every", 0, "--log-every", 1]
+DATA = {"TRAINER_IFACE": "data0"}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    with cluster_up(tmp_path_factory.mktemp("multinode"), 2) as made:
+        yield made
+
+
+def records(run_dir, kind: str) -> list[dict]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [r for r in map(json.loads, lines) if r.get("kind") == kind]
+
+
+def final_weights(run_dir) -> torch.Tensor:
+    saved = torch.load(run_dir / "checkpoint.pt", weights_only=False)["model"]
+    return torch.cat([t.double().reshape(-1) for t in saved.values() if t.is_floating_point()])
+
+
+def torchrun(cluster, tmp_path, *args, env=None, timeout=300) -> tuple[list[int], list[str]]:
+    """Agents on node1 and node2 (2 workers each): (exit codes, logs)."""
+    agents = cluster.torchrun(tmp_path, *args, env=env)
+    codes = [agent.wait(timeout=timeout) for agent in agents]
+    return codes, [(tmp_path / f"{node}.log").read_text() for node in ("node1", "node2")]
+
+
+def data_bytes(cluster) -> dict:
+    """node2's bytes through each interface (received + sent), as node2 counts them."""
+    return {name: sum(pair) for name, pair in cluster.interface_bytes("node2").items()}
+
+
+def check_topology(run_dir):
+    topology = records(run_dir, "topology")
+    assert len(topology) == 1
+    assert topology[0]["nodes"] == 2 and topology[0]["ranks_per_node"] == 2
+    assert topology[0]["hosts"] == ["node1", "node1", "node2", "node2"]
+    assert records(run_dir, "replicas")[-1]["differing_from_rank0"] == 0
+
+
+def check_on_data_network(before: dict, after: dict, steps: int):
+    """The gradients of `steps` steps went over data0: ResNet-18's 11.2 M fp32 values are 45 MB, and
+    a flat or two-level all-reduce moves at least that much in and out of a node of 2 ranks per step;
+    the management network carried the launch only."""
+    moved = {name: after[name] - before[name] for name in after}
+    assert moved["data0"] > steps * 45e6, moved
+    assert moved["mgmt0"] < moved["data0"] / 10, moved
+
+
+@pytest.fixture(scope="module")
+def horovod_flat(cluster):
+    """horovodrun with gloo, flat all-reduce, the collectives on data0: the reference of the two-level runs."""
+    run_dir = cluster.shared / "horovod-flat"
+    before = data_bytes(cluster)
+    done = cluster.horovodrun("--out-dir", run_dir, *TINY, env=DATA)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return run_dir, done, before, data_bytes(cluster)
+
+
+def test_horovodrun_with_gloo_reaches_the_other_node(horovod_flat):
+    run_dir, done, before, after = horovod_flat
+    assert "2 node(s) x 2 rank(s): 4 rank(s) x batch 4 = global batch 16" in done.stdout
+    check_topology(run_dir)
+    check_on_data_network(before, after, steps=3)
+
+
+@pytest.mark.parametrize("allreduce", ["hierarchical", "torus"])
+def test_two_level_all_reduces_take_the_nodes_from_the_host_names(cluster, horovod_flat, allreduce):
+    run_dir = cluster.shared / f"horovod-{allreduce}"
+    done = cluster.horovodrun("--out-dir", run_dir, *TINY, "--allreduce", allreduce, env=DATA)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    check_topology(run_dir)
+    a, b = final_weights(run_dir), final_weights(horovod_flat[0])
+    assert 0 < (a - b).norm() / b.norm() <= 1e-6  # only the order of the sums differs
+
+
+def test_torchrun_meets_at_node1_and_trains_over_the_data_network(cluster, tmp_path):
+    run_dir = cluster.shared / "torchrun"
+    before = data_bytes(cluster)
+    codes, logs = torchrun(cluster, tmp_path, "--out-dir", run_dir, *TINY, "--allreduce", "hierarchical", env=DATA)
+    assert codes == [0, 0], logs
+    after = data_bytes(cluster)
+    assert "2 node(s) x 2 rank(s): 4 rank(s) x batch 4" in logs[0]
+    check_topology(run_dir)
+    check_on_data_network(before, after, steps=3)
+
+
+def test_mpirun_starts_the_ranks_on_both_nodes(cluster):
+    run_dir = cluster.shared / "mpirun"
+    done = cluster.run("node1", "mpirun", "--allow-run-as-root", "-np", 4, "-H", "node1:2,node2:2",
+                       "-x", "PYTHONPATH", "-x", "OMP_NUM_THREADS", "-x", "TRAINER_IFACE",
+                       PYTHON, "-m", "train", "--engine", "horovod", "--out-dir", run_dir, *TINY, env=DATA, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    check_topology(run_dir)
+
+
+@pytest.fixture
+def only_on_node1(cluster):
+    """An interface that node1 has and node2 lacks."""
+    made = cluster.run("node1", "sh", "-c", "ip link add extra0 type veth peer name extra1 && "
+                       "ip addr add 198.19.254.1/32 dev extra0 && ip link set extra0 up")
+    assert made.returncode == 0, made.stderr
+    yield "extra0"
+    cluster.run("node1", "ip", "link", "del", "extra0")
+
+
+REFUSED = "error: TRAINER_IFACE=extra0: node2 has no network interface extra0; it has lo, mgmt0, data0"
+
+
+def test_an_interface_a_node_lacks_is_refused_under_horovodrun(cluster, only_on_node1):
+    done = cluster.horovodrun("--out-dir", cluster.shared / "no-iface-hvd", *TINY, env={"TRAINER_IFACE": only_on_node1},
+                      timeout=180)
+    assert done.returncode != 0
+    output = done.stdout + done.stderr
+    assert output.count(REFUSED) == 2, output[-3000:]  # each of node2's ranks, one line
+    assert not (cluster.shared / "no-iface-hvd").exists()
+
+
+def test_an_interface_a_node_lacks_is_refused_under_torchrun(cluster, only_on_node1, tmp_path):
+    """node2's agent ends at once; node1's workers wait for the start-up meeting until torch's own
+    timeout (TRAINER_COLLECTIVE_TIMEOUT_S + 30 s), as torchrun's agents do not stop each other."""
+    started = time.monotonic()
+    codes, logs = torchrun(cluster, tmp_path, "--out-dir", cluster.shared / "no-iface-torch", *TINY,
+                           env={"TRAINER_IFACE": only_on_node1, "TRAINER_COLLECTIVE_TIMEOUT_S": "20"}, timeout=180)
+    assert time.monotonic() - started < 20 + 30 + 60
+    assert codes[1] != 0 and codes[0] != 0, logs
+    assert logs[1].count(REFUSED) == 2, logs[1][-3000:]
+    assert "exitcode  : 2" in logs[1]
+    assert not (cluster.shared / "no-iface-torch").exists()

@@ -1,0 +1,117 @@
+"""The network settings on one host (their multi-node twins: tests/test_multinode*.py): TRAINER_IFACE
+handed to every library or refused with the host's interfaces, TRAINER_COLLECTIVE_TIMEOUT_S's
+watchdog naming who stopped answering, and the nodes taken from the ranks' host names."""
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from helpers import REPO, child_env, run_train
+from train.config import Config
+from train.engines.network import Watchdog, collective_timeout, use_interface
+from train.engines.topology import Topology, node_summary
+from train.errors import UsageError
+
+
+def test_an_interface_is_handed_to_every_library():
+    env = {"TRAINER_IFACE": "lo"}
+    assert use_interface(env) == "lo"
+    assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["HOROVOD_GLOO_IFACE"] == "lo" and env["TP_SOCKET_IFNAME"] == "lo"
+    assert env["NCCL_SOCKET_IFNAME"] == "=lo"  # exactly lo, not every name starting with it
+    assert env["OMPI_MCA_btl_tcp_if_include"] == "lo"
+
+
+def test_no_interface_named_changes_nothing():
+    env = {"PATH": "/bin"}
+    assert use_interface(env) is None and env == {"PATH": "/bin"}
+
+
+def test_an_interface_this_host_lacks_is_refused_listing_the_ones_it_has():
+    with pytest.raises(UsageError) as refused:
+        use_interface({"TRAINER_IFACE": "nosuch0"})
+    assert str(refused.value).startswith(f"TRAINER_IFACE=nosuch0: {socket.gethostname()} has no network interface nosuch0; it has lo")
+
+
+def test_an_interface_without_an_address_is_refused():
+    """(gloo would abort: 'Unable to find address for: ...')"""
+    made = subprocess.run(["ip", "link", "add", "noaddr0", "type", "veth", "peer", "name", "noaddr1"], capture_output=True)
+    if made.returncode:
+        pytest.skip(f"cannot make an interface here: {made.stderr.decode().strip()}")
+    try:
+        with pytest.raises(UsageError, match="TRAINER_IFACE=noaddr0: noaddr0 on .* has no IPv4 address"):
+            use_interface({"TRAINER_IFACE": "noaddr0"})
+    finally:
+        subprocess.run(["ip", "link", "del", "noaddr0"])
+
+
+def test_the_trainer_refuses_it_in_one_line_with_status_2(tmp_path):
+    result = run_train("--out-dir", "run", "--loader", "synthetic", cwd=tmp_path, env={"TRAINER_IFACE": "nosuch0"})
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        f"error: TRAINER_IFACE=nosuch0: {socket.gethostname()} has no network interface nosuch0; "
+        f"it has {', '.join(name for _, name in socket.if_nameindex())}"]
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "soon"])
+def test_a_timeout_that_is_not_a_positive_number_is_refused(value):
+    with pytest.raises(UsageError, match=f"TRAINER_COLLECTIVE_TIMEOUT_S={value} is not a positive number"):
+        collective_timeout({"TRAINER_COLLECTIVE_TIMEOUT_S": value})
+    assert collective_timeout({}) == 300
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_the_watchdog_finds_the_ranks_that_do_not_answer():
+    alive = socket.create_server(("127.0.0.1", 0))
+    watchdog = Watchdog(60, 0, "127.0.0.1")
+    watchdog.peers = [(0, "a", "127.0.0.1", watchdog.port), (1, "a", *alive.getsockname()),
+                      (2, "b", "127.0.0.1", closed_port()), (3, "b", "127.0.0.1", closed_port())]
+    assert watchdog.unreachable() == [(2, "b"), (3, "b")]
+
+
+def test_a_wait_longer_than_the_timeout_ends_the_rank_naming_who_stopped_answering(tmp_path):
+    script = textwrap.dedent(f"""
+        import time
+        from train.engines.network import Watchdog
+        watchdog = Watchdog(1.0, 0, "127.0.0.1")
+        watchdog.peers = [(0, "here", "127.0.0.1", watchdog.port), (1, "there", "127.0.0.1", {closed_port()})]
+        with watchdog.waiting("the gradient all-reduce"):
+            pass  # a finished wait is no concern, however long the one before the next
+        time.sleep(2)
+        with watchdog.waiting("the gradient all-reduce"):
+            time.sleep(30)
+    """)
+    started = time.monotonic()
+    ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                           timeout=60)
+    assert time.monotonic() - started < 15
+    assert ended.returncode == 1
+    assert ended.stderr.strip().splitlines() == [
+        f"error: rank 0 on {socket.gethostname()}: there (rank 1) stopped answering: the gradient all-reduce waited "
+        "1 s (TRAINER_COLLECTIVE_TIMEOUT_S); ending this rank"]
+
+
+def test_the_nodes_are_the_host_names():
+    assert node_summary(["a", "a", "b", "b"]) == ("2 node(s) x 2 rank(s): ", {"nodes": 2, "ranks_per_node": 2})
+    assert node_summary(["a", "a", "a", "b"]) == ("2 node(s) (3+1 ranks): ",
+                                                  {"nodes": 2, "ranks_per_node": 0, "ranks_on_nodes": [3, 1]})
+
+
+class Placed(Topology):
+    def __init__(self, hosts, allreduce="hierarchical"):
+        self.rank, self.world_size, self.cfg, self.hosts = 0, len(hosts), Config(allreduce=allreduce), hosts
+        self._layout(self.cfg, hosts.count(hosts[0]))
+
+
+def test_two_level_all_reduces_want_each_nodes_ranks_numbered_together():
+    Placed(["a", "a", "b", "b"])._check_nodes_are_lines()
+    with pytest.raises(UsageError, match="rank 1 runs on b, not a; launch the ranks node by node"):
+        Placed(["a", "b", "a", "b"])._check_nodes_are_lines()  # mpirun --map-by node

@@ -1,0 +1,143 @@
+"""The network between the ranks: which interface the collectives take, and how long a rank waits for
+the others before it ends (docs/cluster.md).
+
+TRAINER_IFACE=NAME names the interface once for every library: the trainer sets gloo's, NCCL's,
+Horovod's and Open MPI's own variables from it in its own processes, before any of them starts. A
+name that this host lacks is refused before any collective, with the host's interfaces listed.
+
+TRAINER_COLLECTIVE_TIMEOUT_S (default 300) bounds a wait on the other ranks. A watchdog thread ends a
+rank that has been inside a collective (a step's gradient all-reduce, or an agreement on the host)
+for longer, with one line saying which ranks stopped answering: each rank listens on a TCP port of
+its collectives' address, and the watchdog tries to reach every other rank's at that moment. The
+libraries' own timeouts are set a little longer, as a backstop for the waits outside (start-up).
+"""
+import contextlib
+import fcntl
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from train.errors import UsageError
+
+DEFAULT_TIMEOUT_S = 300
+BACKSTOP_S = 30  # the libraries' timeouts: the watchdog's, and this much more
+PROBE_S = 3.0  # how long a reachable rank may take to accept a connection
+
+
+def collective_timeout(env=os.environ) -> float:
+    value = env.get("TRAINER_COLLECTIVE_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1
+    if seconds <= 0:
+        raise UsageError(f"TRAINER_COLLECTIVE_TIMEOUT_S={value} is not a positive number of seconds; "
+                         f"set it above the longest step (default {DEFAULT_TIMEOUT_S})")
+    return seconds
+
+
+def use_interface(env=os.environ) -> str | None:
+    """TRAINER_IFACE, checked against this host's interfaces and handed to every library (in `env`,
+    this process's environment); None when unset."""
+    name = env.get("TRAINER_IFACE", "")
+    if not name:
+        return None
+    present = [found for _, found in socket.if_nameindex()]
+    if name not in present:
+        raise UsageError(f"TRAINER_IFACE={name}: {socket.gethostname()} has no network interface {name}; "
+                         f"it has {', '.join(present)}")
+    try:
+        interface_address(name)
+    except OSError:
+        raise UsageError(f"TRAINER_IFACE={name}: {name} on {socket.gethostname()} has no IPv4 address; "
+                         f"name one that has (of {', '.join(present)})") from None
+    env["GLOO_SOCKET_IFNAME"] = name  # torch.distributed's gloo
+    env["TP_SOCKET_IFNAME"] = name  # torch's tensorpipe (RPC)
+    env["NCCL_SOCKET_IFNAME"] = "=" + name  # exactly this one (NCCL reads a prefix otherwise)
+    env["HOROVOD_GLOO_IFACE"] = name  # Horovod over gloo (horovodrun --network-interface sets the same)
+    env["OMPI_MCA_btl_tcp_if_include"] = name  # Open MPI's TCP transport, read at MPI_Init
+    return name
+
+
+def set_library_timeouts(seconds: float, env=os.environ) -> float:
+    """The libraries' own timeouts (the backstop), in seconds: torch's is passed to its process groups."""
+    backstop = seconds + BACKSTOP_S
+    env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(backstop)))
+    return backstop
+
+
+def interface_address(name: str | None) -> str:
+    """This host's IPv4 address for the collectives: the interface's, else the host name's."""
+    if name:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as sock:
+            packed = fcntl.ioctl(sock.fileno(), 0x8915, struct.pack("256s", name.encode()[:15]))  # SIOCGIFADDR
+            return socket.inet_ntoa(packed[20:24])
+    try:
+        return socket.gethostbyname(socket.gethostname())
+    except OSError:
+        return "127.0.0.1"
+
+
+class Watchdog:
+    """Ends this rank when one of its collectives has waited longer than the timeout. `waiting()`
+    marks a collective; `peers` (rank, host, address, port) are whom to try when it fires."""
+
+    def __init__(self, seconds: float, rank: int, address: str):
+        self.seconds, self.rank, self.host = seconds, rank, socket.gethostname()
+        self.peers: list[tuple[int, str, str, int]] = []
+        self._since: float | None = None
+        self._what = ""
+        # the liveness port: accepting a connection is all it does (the kernel does it, in the backlog)
+        self.listener = socket.create_server((address, 0), backlog=128)
+        self.port = self.listener.getsockname()[1]
+        threading.Thread(target=self._watch, name="collective-watchdog", daemon=True).start()
+
+    @contextlib.contextmanager
+    def waiting(self, what: str):
+        outer = self._since is not None
+        if not outer:
+            self._since, self._what = time.monotonic(), what
+        try:
+            yield
+        finally:
+            if not outer:
+                self._since = None
+
+    def _watch(self) -> None:
+        while True:
+            time.sleep(min(1.0, self.seconds / 10))
+            since = self._since
+            if since is not None and time.monotonic() - since > self.seconds:
+                self._end(self._what)
+
+    def unreachable(self) -> list[tuple[int, str]]:
+        """(rank, host) of the peers whose liveness port does not accept a connection now."""
+        def reached(peer) -> bool:
+            try:
+                socket.create_connection(peer[2:], timeout=PROBE_S).close()
+                return True
+            except OSError:
+                return False
+        others = [p for p in self.peers if p[0] != self.rank]
+        if not others:
+            return []
+        with ThreadPoolExecutor(max_workers=min(32, len(others))) as pool:
+            answers = list(pool.map(reached, others))
+        return [(p[0], p[1]) for p, ok in zip(others, answers) if not ok]
+
+    def _end(self, what: str) -> None:
+        lost = self.unreachable()
+        me = f"rank {self.rank} on {self.host}"
+        if lost:
+            hosts = sorted({host for _, host in lost})
+            ranks = ", ".join(str(rank) for rank, _ in lost)
+            who = f"{', '.join(hosts)} (rank{'s' if len(lost) > 1 else ''} {ranks}) stopped answering"
+        else:
+            who = "the other ranks stopped answering (all still reachable: a rank stuck, or a step longer than the timeout)"
+        print(f"error: {me}: {who}: {what} waited {self.seconds:g} s (TRAINER_COLLECTIVE_TIMEOUT_S); "
+              "ending this rank", file=sys.stderr, flush=True)
+        os._exit(1)
