@@ -142,3 +142,50 @@ def test_an_interface_a_node_lacks_is_refused_under_torchrun(cluster, only_on_no
     assert logs[1].count(REFUSED) == 2, logs[1][-3000:]
     assert "exitcode  : 2" in logs[1]
     assert not (cluster.shared / "no-iface-torch").exists()
+
+
+def read_only_on_every_node(cluster, folder) -> None:
+    """The data folder mounted read-only on each node (as a shared dataset often is)."""
+    for node in ("node1", "node2"):
+        done = cluster.run(node, "sh", "-c", f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}")
+        assert done.returncode == 0, done.stderr
+
+
+def test_a_stale_index_in_one_nodes_cache_does_not_give_it_another_sample_list(cluster, tmp_path):
+    """node2's cache holds an index of the read-only tree that passes the index's own check (the
+    folders' times) but lacks an image, as when the tree was replaced by one whose folders carry the
+    same times; node1's cache holds none. Both ranks must train on the folder's real list."""
+    import os
+    import shutil
+    import numpy as np
+    from data.embedded import ensure_embedded
+    root = cluster.shared / "stale"
+    shutil.copytree(ensure_embedded(train_per_class=3, val_per_class=2, root=tmp_path / "src"), root)
+    when = time.time() - 3600
+    folders = [root, *(p for p in root.rglob("*") if p.is_dir())]
+    removed = sorted((root / "train").glob("*/*"))[0]
+    kept = tmp_path / "kept"
+    shutil.move(removed, kept)
+    for folder in folders:
+        os.utime(folder, (when, when))
+    read_only_on_every_node(cluster, root)
+    # node2 indexes the tree without that image: into its own cache (the tree is read-only)
+    listed = cluster.run("node2", PYTHON, "-c", f"from data.index import load_samples; from data.tree import check_tree; "
+                         f"print(len(load_samples(__import__('pathlib').Path('{root}/train'), check_tree('{root}'))))")
+    assert listed.returncode == 0 and listed.stdout.strip() == "29", listed.stderr
+    shutil.move(kept, removed)  # the image is back, and the folders' times are as the index recorded them
+    for folder in folders:
+        os.utime(folder, (when, when))
+    caches = list((cluster.folder / "nodes" / "node2" / "cache").rglob("*-train.npz"))
+    assert len(caches) == 1 and not list((cluster.folder / "nodes" / "node1" / "cache").rglob("*-train.npz"))
+
+    run_dir = cluster.shared / "stale-run"
+    agents = cluster.torchrun(tmp_path, "--out-dir", run_dir, "--data-dir", root, "--arch", "resnet18", "--image-size", 32,
+                              "--workers", 0, "--global-batch-size", 8, "--max-steps", 2, "--eval-every", 0, per_node=1)
+    codes = [agent.wait(timeout=300) for agent in agents]
+    logs = (tmp_path / "node1.log").read_text()
+    assert codes == [0, 0], logs[-3000:]
+    assert "30 train / 20 val images" in logs
+    assert "rank(s) 1 on node2 read another sample list" in logs
+    with np.load(caches[0], allow_pickle=False) as index:  # node2's cache now lists the folder as it is
+        assert len(index["labels"]) == 30
