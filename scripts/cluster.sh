@@ -2,8 +2,9 @@
 # A cluster of N nodes on this one Linux machine, for trying multi-node launches and faults
 # (docs/cluster.md). Root only. Each node is a network, host-name (UTS) and mount namespace:
 #
-#   bash scripts/cluster.sh up DIR --nodes N [--link-rate RATE]
-#       makes node1..nodeN; prints `export NAME=VALUE` lines to paste (CLUSTER)
+#   bash scripts/cluster.sh up DIR --nodes N [--link-rate RATE] [--slurm]
+#       makes node1..nodeN; prints `export NAME=VALUE` lines to paste (CLUSTER, with --slurm SLURM_CONF):
+#       --slurm adds a real Slurm, slurmctld on node1 and a slurmd (and munged) on every node
 #   bash scripts/cluster.sh exec DIR NODE -- CMD ...   runs CMD on NODE (its host name, networks, disks)
 #                                                      with the caller's environment and directory
 #   bash scripts/cluster.sh link DIR NODE down|up      unplugs / plugs NODE's data0 cable at the switch
@@ -19,7 +20,7 @@
 set -euo pipefail
 
 die() { echo "cluster: $*" >&2; exit 2; }
-usage() { die "usage: cluster.sh up DIR --nodes N [--link-rate RATE] | exec DIR NODE -- CMD... | link DIR NODE down|up|rate RATE | down DIR"; }
+usage() { die "usage: cluster.sh up DIR --nodes N [--link-rate RATE] [--slurm] | exec DIR NODE -- CMD... | link DIR NODE down|up|rate RATE | down DIR"; }
 
 checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 REGISTRY=/run/trainer-cluster       # one folder per running cluster: namespace files, its DIR
@@ -114,7 +115,7 @@ while [ $# -gt 0 ]; do
     case $1 in
     --nodes) nodes=${2:-}; shift 2 ;;
     --link-rate) rate=${2:-}; shift 2 ;;
-    --slurm) die "--slurm (one slurmctld and a slurmd per node) is not built yet; the one-node Slurm is scripts/slurm/local_cluster.sh" ;;
+    --slurm) slurm=1; shift ;;
     *) usage ;;
     esac
 done
@@ -275,4 +276,54 @@ for i in $(seq "$nodes"); do
     in_node "$i" ssh "node$j" true </dev/null >/dev/null 2>&1 || die "node$i cannot ssh to node$j; see $dir/nodes/node$j/sshd.log"
 done
 
+if [ "$slurm" = 1 ]; then
+    command -v slurmctld >/dev/null && command -v munged >/dev/null \
+        || die "--slurm needs Debian's slurm-wlm and munge; run: bash scripts/slurm/local_cluster.sh (installs them) or apt-get install slurm-wlm munge"
+    mkdir -p "$dir/slurm/ctld"
+    # one key for every node's munged (each on the socket under its node's own /run)
+    [ -s "$dir/slurm/munge.key" ] || dd if=/dev/urandom of="$dir/slurm/munge.key" bs=1 count=1024 status=none
+    chmod 400 "$dir/slurm/munge.key"
+    cat > "$dir/slurm/slurm.conf" <<CONF
+ClusterName=c$id
+SlurmctldHost=node1
+AuthType=auth/munge
+SlurmUser=root
+SlurmdUser=root
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+MpiDefault=none
+ReturnToService=2
+JobRequeue=1
+StateSaveLocation=$dir/slurm/ctld
+SlurmdSpoolDir=/run/slurmd
+SlurmctldPidFile=/run/slurmctld.pid
+SlurmdPidFile=/run/slurmd.pid
+SlurmctldLogFile=$dir/slurm/slurmctld.log
+SlurmdLogFile=$dir/nodes/%n/slurmd.log
+NodeName=node[1-$nodes] CPUs=$(nproc) State=UNKNOWN
+PartitionName=cluster Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+CONF
+    for i in $(seq "$nodes"); do
+        in_node "$i" /bin/sh -c "mkdir -p /run/munge /run/slurmd && /usr/sbin/munged --force --key-file=$dir/slurm/munge.key \
+            --log-file=$dir/nodes/node$i/munged.log --seed-file=$dir/nodes/node$i/munged.seed" </dev/null >/dev/null 2>&1 \
+            || die "munged did not start on node$i; see $dir/nodes/node$i/munged.log"
+    done
+    in_node 1 /usr/sbin/slurmctld -f "$dir/slurm/slurm.conf" </dev/null >/dev/null 2>&1 \
+        || die "slurmctld did not start; see $dir/slurm/slurmctld.log"
+    for i in $(seq "$nodes"); do
+        in_node "$i" /usr/sbin/slurmd -f "$dir/slurm/slurm.conf" -N "node$i" </dev/null >/dev/null 2>&1 \
+            || die "slurmd did not start on node$i; see $dir/nodes/node$i/slurmd.log"
+    done
+    for _ in $(seq 300); do
+        idle=$(SLURM_CONF=$dir/slurm/slurm.conf in_node 1 sinfo -h -N -o %t 2>/dev/null | grep -cE '^(idle|mix|alloc)' || true)
+        [ "$idle" = "$nodes" ] && break
+        sleep 0.2
+    done
+    [ "$idle" = "$nodes" ] || die "only $idle of $nodes slurmd(s) came up; see $dir/slurm/slurmctld.log and $dir/nodes/*/slurmd.log"
+fi
+
 echo "export CLUSTER=$(printf %q "$dir")"
+[ "$slurm" = 0 ] || echo "export SLURM_CONF=$(printf %q "$dir/slurm/slurm.conf")"

@@ -52,7 +52,7 @@ fi
 if [ -z "${SKIP_HOROVOD:-}" ]; then
     PYTHON="$py" bash scripts/install_horovod.sh
 fi
-# The cluster on one machine (scripts/cluster.sh): ip, nsenter, tc and an ssh client from Debian, and
+# The cluster on one machine (scripts/cluster.sh): ip, nsenter, tc, an ssh client, Slurm and munge from Debian, and
 # openssh-server unpacked to /opt/trainer-openssh, not installed: its package would start an sshd on
 # the machine itself. Each emulated node runs its own from there.
 if [ -z "${SKIP_CLUSTER:-}" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
@@ -60,6 +60,8 @@ if [ -z "${SKIP_CLUSTER:-}" ] && command -v apt-get >/dev/null && [ "$(id -u)" =
     command -v ip >/dev/null || missing+=(iproute2)
     command -v nsenter >/dev/null || missing+=(util-linux)
     command -v ssh >/dev/null || missing+=(openssh-client)
+    command -v slurmctld >/dev/null || missing+=(slurm-wlm)  # (cluster.sh --slurm, scripts/slurm/local_cluster.sh)
+    command -v munged >/dev/null || missing+=(munge)
     [ -e /usr/lib/x86_64-linux-gnu/libwrap.so.0 ] || [ -e /lib/x86_64-linux-gnu/libwrap.so.0 ] || missing+=(libwrap0)
     if [ ${#missing[@]} -gt 0 ] || [ ! -x /opt/trainer-openssh/usr/sbin/sshd ]; then
         echo "setup: cluster tools (${missing[*]:-} openssh-server unpacked to /opt/trainer-openssh)" >&2

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from tests.helpers import REPO
 from tests.helpers.cluster import PYTHON, cluster_up
 
 pytestmark = [pytest.mark.cluster, pytest.mark.multiprocess]
@@ -19,7 +20,7 @@ DATA = {"TRAINER_IFACE": "data0"}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with cluster_up(tmp_path_factory.mktemp("multinode"), 2) as made:
+    with cluster_up(tmp_path_factory.mktemp("multinode"), 2, "--slurm") as made:
         yield made
 
 
@@ -109,6 +110,28 @@ def test_mpirun_starts_the_ranks_on_both_nodes(cluster):
     check_topology(run_dir)
 
 
+SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
+
+
+def sbatch(cluster, folder, *args, env=None, timeout=300):
+    """`sbatch -N 2 --ntasks-per-node 2 --wait train.sbatch` submitted on node1: (result, the job's log)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    conf = cluster.exports.split("SLURM_CONF=")[1].split()[0]
+    env = {"SLURM_CONF": conf, "PYTHON": PYTHON, "OUT_DIR": str(folder / "run"),
+           "EXTRA_ARGS": " ".join(map(str, args)), **(env or {})}
+    done = cluster.run("node1", "sbatch", "-N", 2, "--ntasks-per-node", 2, "--wait", SBATCH, cwd=folder, env=env,
+                       timeout=timeout)
+    return done, "".join(p.read_text() for p in folder.glob("slurm-*.out"))
+
+
+def test_sbatch_runs_across_two_nodes(cluster):
+    folder = cluster.shared / "sbatch"
+    done, log = sbatch(cluster, folder, *TINY, env=DATA)
+    assert done.returncode == 0, done.stdout + done.stderr + log
+    assert "2 node(s), 4 task(s)" in log and "2 node(s) x 2 rank(s): 4 rank(s) x batch 4" in log
+    check_topology(folder / "run")
+
+
 @pytest.fixture
 def only_on_node1(cluster):
     """An interface that node1 has and node2 lacks."""
@@ -189,3 +212,16 @@ def test_a_stale_index_in_one_nodes_cache_does_not_give_it_another_sample_list(c
     assert "rank(s) 1 on node2 read another sample list" in logs
     with np.load(caches[0], allow_pickle=False) as index:  # node2's cache now lists the folder as it is
         assert len(index["labels"]) == 30
+
+
+def test_an_interface_a_node_lacks_is_refused_under_mpirun_and_sbatch(cluster, only_on_node1):
+    done = cluster.run("node1", "mpirun", "--allow-run-as-root", "-np", 4, "-H", "node1:2,node2:2", "-x", "PYTHONPATH",
+                       "-x", "OMP_NUM_THREADS", "-x", "TRAINER_IFACE", PYTHON, "-m", "train", "--engine", "horovod",
+                       "--out-dir", cluster.shared / "no-iface-mpi", *TINY, env={"TRAINER_IFACE": only_on_node1}, timeout=180)
+    assert done.returncode == 2  # mpirun passes on the first failed rank's status
+    assert (done.stdout + done.stderr).count(REFUSED) >= 1, (done.stdout + done.stderr)[-3000:]
+    folder = cluster.shared / "no-iface-sbatch"
+    done, log = sbatch(cluster, folder, *TINY, env={"TRAINER_IFACE": only_on_node1}, timeout=180)
+    assert done.returncode != 0
+    assert log.count(REFUSED) == 2, log[-3000:]  # srun --kill-on-bad-exit ends node1's ranks
+    assert not (folder / "run").exists()

@@ -114,3 +114,103 @@ def test_a_dead_data_link_ends_every_rank_within_the_timeout(cluster, launcher, 
     while len(cluster.processes()) > 2 and time.monotonic() < deadline:
         time.sleep(0.5)
     assert len(cluster.processes()) == 2, [open(f"/proc/{pid}/cmdline").read() for pid in cluster.processes()]
+
+
+def each_position_once(count: int) -> dict:
+    """An epoch's sample ledger when its positions 0 .. count-1 were each trained exactly once."""
+    return {"count": count, "sum": sum(range(count)), "sum_sq": sum(p * p for p in range(count))}
+
+
+def records(run_dir, kind: str) -> list[dict]:
+    import json
+    return [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if r["kind"] == kind]
+
+
+def wait_for(condition, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        found = condition()
+        if found:
+            return found
+        time.sleep(0.2)
+    raise AssertionError(f"no {what} within {timeout} s")
+
+
+def test_torchrun_loses_node2_for_good_finishes_on_node1_and_takes_it_back(cluster, tmp_path):
+    """--nnodes 1:2: node2 dies for good mid-epoch; node1's agent restarts its worker alone from the last
+    step checkpoint (the global batch kept); node2 comes back and joins at the next restart. Every
+    image of every epoch is trained once across the segments."""
+    from tests.helpers.cluster import PYTHON
+    run_dir, per_epoch = cluster.shared / "elastic-torch", 256
+    def agent(node):
+        return cluster.start(node, PYTHON, "-m", "torch.distributed.run", "--nnodes", "1:2", "--nproc-per-node", 1,
+                             "--rdzv-backend", "c10d", "--rdzv-endpoint", "node1:29400", "--rdzv-id", "elastic",
+                             "--rdzv-conf", "last_call_timeout=5", "--max-restarts", 3, "--monitor-interval", 0.5,
+                             "-m", "train", "--out-dir", run_dir, *RUN, "--synthetic-images", per_epoch,
+                             "--global-batch-size", 8, "--max-steps", 0, "--epochs", 3, "--checkpoint-every-steps", 4,
+                             log=tmp_path / f"{node}-{time.monotonic_ns()}.log",
+                             env={**DATA, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})
+    node1 = agent("node1")
+    node2 = agent("node2")
+    try:
+        wait_for(lambda: records(run_dir, "topology") if (run_dir / "metrics.jsonl").exists() else None, 180,
+                 "start on two nodes")
+        at = wait_for_step_checkpoint(run_dir / "checkpoint.pt", [node1])
+        cluster.kill_node("node2")
+        wait_for(lambda: len(records(run_dir, "resume")) >= 1, 180, "resume on node1 alone")
+        alone = records(run_dir, "topology")[-1]
+        node2 = agent("node2")  # the node is back
+        assert node1.wait(timeout=300) == 0
+        assert node2.wait(timeout=60) == 0
+    finally:
+        for process in (node1, node2):
+            process.kill()
+    logs = "".join(path.read_text() for path in tmp_path.glob("node*.log"))
+    assert alone["hosts"] == ["node1"], alone
+    assert records(run_dir, "topology")[-1]["hosts"] == ["node1", "node2"]  # it joined again
+    resumes = records(run_dir, "resume")
+    assert len(resumes) == 2 and resumes[0]["step"] >= at["step"], resumes
+    assert "1 rank(s) x batch 8 = global batch 8" in logs
+    epochs = [r for r in records(run_dir, "epoch") if r["epoch"] in (1.0, 2.0, 3.0)]
+    assert [r["step"] for r in epochs] == [32, 64, 96], epochs
+    for record in epochs:
+        assert record.get("samples") == each_position_once(per_epoch), record
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    with cluster_up(tmp_path_factory.mktemp("three"), 3) as made:
+        yield made
+
+
+def test_horovod_elastic_on_three_nodes_loses_node3_goes_on_with_two_and_takes_it_back(three_nodes, tmp_path):
+    """Every process of node3 killed: node1 and node2 roll back to the last commit and go on with the
+    global batch over 2 ranks; after its cooldown node3 (still in the discovery list) joins again and
+    gets the state. Every image of every epoch is trained once."""
+    from tests.helpers.cluster import BIN, PYTHON
+    cluster, run_dir, per_epoch = three_nodes, three_nodes.shared / "elastic-horovod", 144
+    hosts = cluster.shared / "hosts"
+    hosts.write_text("node1:1\nnode2:1\nnode3:1\n")
+    discover = cluster.shared / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    job = cluster.start("node1", BIN / "horovodrun", "-np", 3, "--min-np", 2, "--max-np", 3, "--host-discovery-script",
+                        discover, "--elastic-timeout", 60, "--blacklist-cooldown-range", 1, 2, "--disable-cache",
+                        PYTHON, "-m", "train", "--out-dir", run_dir, "--loader", "synthetic", "--arch", "resnet18",
+                        "--image-size", 32, "--synthetic-images", per_epoch, "--synthetic-val-images", 12,
+                        "--synthetic-classes", 10, "--global-batch-size", 12, "--epochs", 6, "--eval-every", 0,
+                        "--log-every", 1, "--commit-every", 2, log=tmp_path / "job.log", env=DATA)
+    try:
+        wait_for(lambda: (run_dir / "metrics.jsonl").exists() and records(run_dir, "train"), 240, "training on three")
+        cluster.kill_node("node3")
+        assert job.wait(timeout=400) == 0, (tmp_path / "job.log").read_text()[-4000:]
+    finally:
+        job.kill()
+    changes = [r["ranks"] for r in records(run_dir, "workers")]
+    assert changes[:2] == [2, 3], changes  # down to two, then node3 back
+    epochs = [r for r in records(run_dir, "epoch") if r["epoch"] == int(r["epoch"])]
+    assert [r["step"] for r in epochs] == [12 * e for e in range(1, 7)], epochs
+    for record in epochs:  # the rolled-back steps not counted twice
+        assert record["samples"] == each_position_once(per_epoch), record
+    final = records(run_dir, "replicas")[-1]
+    assert final["ranks"] == 3 and final["differing_from_rank0"] == 0
