@@ -8,7 +8,8 @@
 #   bash scripts/cluster.sh exec DIR NODE -- CMD ...   runs CMD on NODE (its host name, networks, disks)
 #                                                      with the caller's environment and directory
 #   bash scripts/cluster.sh link DIR NODE down|up      unplugs / plugs NODE's data0 cable at the switch
-#   bash scripts/cluster.sh link DIR NODE rate RATE    shapes NODE's data0 both ways (tc syntax: 300mbit)
+#   bash scripts/cluster.sh link DIR NODE rate RATE    shapes NODE's data0 both ways (tc syntax: 300mbit;
+#                                                      none: unshaped)
 #   bash scripts/cluster.sh down DIR                   removes every namespace, link, mount and process
 #
 # A node has two networks, as real nodes have: mgmt0 (host names, ssh, launcher control) on
@@ -20,7 +21,7 @@
 set -euo pipefail
 
 die() { echo "cluster: $*" >&2; exit 2; }
-usage() { die "usage: cluster.sh up DIR --nodes N [--link-rate RATE] [--slurm] | exec DIR NODE -- CMD... | link DIR NODE down|up|rate RATE | down DIR"; }
+usage() { die "usage: cluster.sh up DIR --nodes N [--link-rate RATE] [--slurm] | exec DIR NODE -- CMD... | link DIR NODE down|up|rate RATE|none | down DIR"; }
 
 checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 REGISTRY=/run/trainer-cluster       # one folder per running cluster: namespace files, its DIR
@@ -100,7 +101,14 @@ link)
     case $2 in
     down) ip -n "$switch" link set "d$i" down ;;   # the cable at the switch: node2's data0 stays up, no carrier
     up) ip -n "$switch" link set "d$i" up ;;
-    rate) [ -n "${3:-}" ] || usage; shape "$i" "$3" ;;
+    rate)
+        [ -n "${3:-}" ] || usage
+        if [ "$3" = none ]; then  # unshaped again
+            tc -n "$(node_ns "$i")" qdisc del dev data0 root 2>/dev/null || true
+            tc -n "$switch" qdisc del dev "d$i" root 2>/dev/null || true
+        else
+            shape "$i" "$3"
+        fi ;;
     *) usage ;;
     esac
     exit 0

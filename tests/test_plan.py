@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from helpers import child_env
+from helpers import REPO, child_env
 from train.plan import comm, compute, model
 from train.plan.cli import main
 from train.plan.hardware import Link
@@ -245,6 +245,14 @@ def test_batch_schedule_runs_in_phases(capsys):
     (["--gpus-per-node", "0"], ["--gpus-per-node", "got 0"]),
     (["--links-per-node", "0"], ["--links-per-node", "got 0"]),
     (["--per-gpu-batch", "3264"], ["3,264", "80 GB"]),  # an A100 holds about 1,724 (test below)
+    (["--network", "custom"], ["--network custom needs --link-gbps and --latency-us"]),
+    (["--network", "custom", "--link-gbps", "1"], ["needs --latency-us:"]),
+    (["--link-gbps", "1", "--latency-us", "5"], ["--network custom only", "leave them out"]),
+    (["--network", "ib-edr", "--latency-us", "5"], ["--latency-us describes --network custom only"]),
+    (["--network", "custom", "--link-gbps", "0", "--latency-us", "5"], ["--link-gbps", "positive finite", "got 0"]),
+    (["--network", "custom", "--link-gbps", "1", "--latency-us", "-5"], ["--latency-us", "got -5"]),
+    (["--network", "custom", "--link-gbps", "inf", "--latency-us", "5"], ["--link-gbps", "got inf"]),
+    (["--network", "custom", "--link-gbps", "1", "--latency-us", "nan"], ["--latency-us", "got nan"]),
 ])
 def test_bad_input_exits_2_with_one_line(capsys, args, words):
     base = {"--preset": "mlperf-bs3264", "--gpu": "a100", "--gpus": "8"}
@@ -362,3 +370,61 @@ def test_report_lines_are_told_apart_and_the_gpu_axis_reads_plain_counts():
     # on one A100 node the all-reduce hardly matters: the legend names the lines that coincide
     labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
     assert any("same as" in label for label in labels)
+
+
+# --network custom: a link by the rate it delivers and its one-way latency, the flags with which
+# scripts/bench/allreduce.py --cluster compares the planner with a shaped cluster. No --preset: the
+# trainer's defaults, 256 images per GPU, which every count divides into.
+CUSTOM = ["--gpu", "v100", "--gpus-per-node", "1", "--links-per-node", "1", "--allreduce", "flat", "--wire", "fp32",
+          "--network", "custom", "--link-gbps", "0.15", "--latency-us", "50"]
+FP32_GRADIENT_BYTES = 4 * 25_557_032  # ResNet-50 v1.5's gradients in fp32
+
+
+def ring_allreduce_s(nodes, links=1):
+    """docs/planner.md's ring all-reduce, one GPU per node so every hop crosses the network: 2(n-1)/n
+    of the message at 0.15 Gbit/s x links (no efficiency factor), and 2(n-1) latencies of 50 us."""
+    rate = 0.15e9 / 8 * links
+    return 2 * (nodes - 1) / nodes * FP32_GRADIENT_BYTES / rate + 2 * (nodes - 1) * 50e-6
+
+
+def test_custom_network_all_reduce_is_the_ring_formula():
+    # run as the bench runs it; flat is NCCL's cheaper of ring and tree: here the ring, as the tree
+    # would move twice the bytes (seconds at 150 Mbit/s) to save microseconds of latency
+    result = subprocess.run([sys.executable, "-m", "train.plan", "--gpus", "2,3,4,6", *CUSTOM, "--json"],
+                            capture_output=True, text=True, timeout=300, cwd=REPO, env=child_env())
+    assert result.returncode == 0, result.stderr
+    rows = json.loads(result.stdout)
+    assert [(r["gpus"], r["nodes"], r["nccl_algorithm"]) for r in rows] == [(g, g, "ring") for g in (2, 3, 4, 6)]
+    for r in rows:
+        assert r["comm_total_s"] == pytest.approx(ring_allreduce_s(r["nodes"]), rel=1e-12)
+    # 2 nodes: 102,228,128 B / 18.75 MB/s = 5.452167 s, + 2 x 50 us
+    assert rows[0]["comm_total_s"] == pytest.approx(5.452267, abs=1e-6)
+
+
+def test_custom_network_links_add_bandwidth_not_latency(capsys):
+    (one,), _ = plan_json(capsys, "--gpus", "2", *CUSTOM)
+    (two,), _ = plan_json(capsys, "--gpus", "2", *CUSTOM, "--links-per-node", "2")
+    latency = 2 * 50e-6
+    assert two["comm_total_s"] - latency == pytest.approx((one["comm_total_s"] - latency) / 2, rel=1e-12)
+    assert two["comm_total_s"] == pytest.approx(ring_allreduce_s(2, links=2), rel=1e-12)
+
+
+def test_custom_network_hierarchical_and_its_name_in_the_header(capsys):
+    # 2 nodes x 2 V100: reduce-scatter in the node, 1 round over NVLink (150 GB/s x 0.8, 3 us) of
+    # m/2; the node's 2 rings share its link across: 2 rounds of 50 us + (m/4) / (rate/2); all-gather
+    # as the reduce-scatter
+    m, rate, nvlink = FP32_GRADIENT_BYTES, 0.15e9 / 8, 150e9 * 0.8
+    expected = 2 * (3e-6 + m / 2 / nvlink) + 2 * (50e-6 + m / 4 / (rate / 2))
+    (row,), _ = plan_json(capsys, "--gpus", "4", *CUSTOM, "--gpus-per-node", "2", "--allreduce", "hierarchical")
+    assert row["nodes"] == 2 and row["comm_total_s"] == pytest.approx(expected, rel=1e-12)
+    code, out, _ = run_cli(capsys, "--gpus", "2", *CUSTOM)
+    assert code == 0 and "1 x custom 0.15 Gbit/s, 50 us per node" in out.splitlines()[0]
+
+
+def test_custom_network_refusal_exits_2_with_one_line():
+    # the cases are in test_bad_input_exits_2_with_one_line; here one as a user meets it
+    result = subprocess.run([sys.executable, "-m", "train.plan", "--gpus", "2", *CUSTOM[:-2]],
+                            capture_output=True, text=True, timeout=300, cwd=REPO, env=child_env())
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: --network custom needs --latency-us:")
+    assert len(result.stderr.strip().splitlines()) == 1

@@ -14,6 +14,16 @@ fact of this machine, not a fitted term.
 
     python scripts/bench/allreduce.py            # the full bench, under 10 minutes on 2 cores
     python scripts/bench/allreduce.py --quick    # 3 sizes, 2 repeats: a smoke check
+
+--cluster DIR (a cluster of 3 or more nodes made by scripts/cluster.sh) measures across nodes instead:
+the data links shaped to --link-rate (300 Mbit/s: the network, not the 2 cores, is the bottleneck),
+flat and hierarchical all-reduces of ResNet-50's gradient (25,557,032 values, fp32 and fp16) over
+2 and 3 nodes x 1 and 2 ranks (TRAINER_IFACE=data0, the nodes from the host names), medians of 3;
+each against the planner's comm_total_s for that link (`python -m train.plan --network custom
+--link-gbps G --latency-us L`, G the shaped rate), last line `allreduce_model_cluster: E (goal <=
+0.15)`, E the median relative error.
+
+    python scripts/bench/allreduce.py --cluster /tmp/c --link-rate 300mbit
 """
 import argparse
 import dataclasses
@@ -121,11 +131,128 @@ def fit(samples: list[tuple[tuple[float, float], float]]) -> tuple[float, float]
     return float(latency), float(per_byte)
 
 
+RESNET50_VALUES = 25_557_032  # ResNet-50's parameters: its gradient
+CLUSTER_LAYOUTS = ((2, 1), (2, 2), (3, 1), (3, 2))  # (nodes, ranks per node)
+WIRES = {"fp32": 4, "fp16": 2}
+
+
+def cluster_worker(out: str, repeats: int) -> None:
+    """One rank of a cluster measurement (RANK, WORLD_SIZE, MASTER_ADDR set by cluster_measure):
+    rank 0 writes {algorithm/wire: median seconds} to `out`."""
+    import torch
+    import torch.distributed as dist
+    from train.config import Config
+    from train.engines import use_interface
+    from train.engines.torch_distributed import TorchDistributed
+    use_interface()  # TRAINER_IFACE=data0: the shaped data network
+    torch.set_num_threads(1)
+    engine = TorchDistributed(Config(allreduce="flat"))  # the nodes from the host names
+    times = {}
+    for algorithm in ("flat", "hierarchical"):
+        engine.cfg = Config(allreduce=algorithm)
+        state = engine._two_level_state() if algorithm != "flat" else None
+        for index, (wire, size) in enumerate(WIRES.items()):
+            tensor = torch.ones(RESNET50_VALUES, dtype=torch.float32 if size == 4 else torch.float16)
+
+            def once():
+                if state is None:
+                    dist.all_reduce(tensor)
+                else:
+                    engine._two_level_hook(state, _Bucket(tensor, index)).wait()
+            samples = []
+            for _ in range(repeats):
+                dist.barrier()
+                begin = time.perf_counter()
+                once()
+                elapsed = torch.tensor([time.perf_counter() - begin], dtype=torch.float64)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank's time
+                samples.append(elapsed.item())
+            times[f"{algorithm}/{wire}"] = statistics.median(samples)
+    if engine.rank == 0:
+        Path(out).write_text(json.dumps(times))
+    engine.shutdown()
+
+
+def cluster_measure(folder: Path, nodes: int, per_node: int, repeats: int, port: int) -> dict:
+    import subprocess
+    out = folder / "shared" / f"allreduce-{nodes}x{per_node}.json"
+    out.unlink(missing_ok=True)
+    world, processes = nodes * per_node, []
+    for rank in range(world):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank % per_node),
+               "MASTER_ADDR": "node1", "MASTER_PORT": str(port), "TRAINER_IFACE": "data0", "OMP_NUM_THREADS": "1",
+               "PYTHONPATH": str(REPO)}
+        node = f"node{rank // per_node + 1}"
+        processes.append(subprocess.Popen(["bash", str(REPO / "scripts" / "cluster.sh"), "exec", str(folder), node, "--",
+                                           sys.executable, __file__, "--cluster-worker", str(out),
+                                           "--repeats", str(repeats)], env=env))
+    if any(p.wait() for p in processes):
+        raise SystemExit(f"a worker of {nodes} x {per_node} failed")
+    return json.loads(out.read_text())
+
+
+def planned(nodes: int, per_node: int, algorithm: str, wire: str, gbps: float, latency_us: float) -> float:
+    """The planner's comm_total_s for this layout over a custom link of `gbps` and `latency_us`."""
+    import subprocess
+    command = [sys.executable, "-m", "train.plan", "--gpus", str(nodes * per_node), "--gpu", "v100",
+               "--gpus-per-node", str(per_node), "--links-per-node", "1", "--allreduce", algorithm, "--wire", wire,
+               "--json", "--network", "custom", "--link-gbps", str(gbps), "--latency-us", str(latency_us)]
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    if done.returncode:
+        raise SystemExit(f"the planner refused {' '.join(command)}: {done.stderr.strip()}")
+    return json.loads(done.stdout)[0]["comm_total_s"]
+
+
+def rate_gbps(rate: str) -> float:
+    """tc's rate (300mbit, 1gbit, 500kbit) in Gbit/s."""
+    import re
+    number, unit = re.fullmatch(r"([0-9.]+)([kmg]?)bit", rate).groups()
+    return float(number) * {"": 1e-9, "k": 1e-6, "m": 1e-3, "g": 1.0}[unit]
+
+
+def cluster_main(folder: Path, rate: str, latency_us: float, repeats: int, port: int) -> int:
+    import subprocess
+    env_file = folder / "cluster.env"
+    nodes = int(dict(line.split("=", 1) for line in env_file.read_text().split())["nodes"]) if env_file.exists() else 0
+    if nodes < 3:
+        raise SystemExit(f"--cluster {folder}: needs a cluster of 3 or more nodes: bash scripts/cluster.sh up {folder} --nodes 3")
+    gbps = rate_gbps(rate)
+    for node in range(1, nodes + 1):
+        subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "link", str(folder), f"node{node}", "rate", rate], check=True)
+    print(f"data links shaped to {rate} ({gbps:g} Gbit/s each way); the planner's link: {gbps:g} Gbit/s, {latency_us:g} us")
+    print(f"{'nodes':>5} {'ranks':>5} {'algorithm':>12} {'wire':>5} {'measured s':>11} {'model s':>8} {'error':>7}")
+    errors = []
+    try:
+        for offset, (count, per_node) in enumerate(CLUSTER_LAYOUTS):
+            measured = cluster_measure(folder, count, per_node, repeats, port + offset)
+            for key, seconds in measured.items():
+                algorithm, wire = key.split("/")
+                model = planned(count, per_node, algorithm, wire, gbps, latency_us)
+                errors.append(abs(model - seconds) / seconds)
+                print(f"{count:>5} {per_node:>5} {algorithm:>12} {wire:>5} {seconds:>11.3f} {model:>8.3f} {errors[-1]:>7.1%}",
+                      flush=True)
+    finally:
+        for node in range(1, nodes + 1):
+            subprocess.run(["bash", str(REPO / "scripts" / "cluster.sh"), "link", str(folder), f"node{node}", "rate", "none"])
+    print(f"allreduce_model_cluster: {statistics.median(errors):.3f} (goal <= 0.15)")
+    return 0
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="3 sizes, 2 repeats: a smoke check")
     p.add_argument("--port", type=int, default=29611)
+    p.add_argument("--cluster", help="a folder of scripts/cluster.sh with 3 or more nodes: measure across them")
+    p.add_argument("--link-rate", default="300mbit", help="--cluster: the data links' rate, in tc's syntax")
+    p.add_argument("--latency-us", type=float, default=50.0, help="--cluster: the link latency given to the planner")
+    p.add_argument("--repeats", type=int, default=3, help="--cluster: timed all-reduces per configuration (median)")
+    p.add_argument("--cluster-worker", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.cluster_worker:
+        cluster_worker(args.cluster_worker, args.repeats)
+        return 0
+    if args.cluster:
+        return cluster_main(Path(args.cluster).resolve(), args.link_rate, args.latency_us, args.repeats, args.port)
     sizes = [4 << 10, 256 << 10, 4 << 20] if args.quick else [1 << (10 + 2 * k) for k in range(9)]  # 1 KB .. 64 MB
     repeats, seconds = (2, 0.0) if args.quick else (3, 0.6)
     cores = os.cpu_count() or 1

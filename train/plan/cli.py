@@ -5,10 +5,14 @@ import sys
 
 import train.plan as package
 from train.cli import parse as parse_config
+from train.config import Config
 from train.errors import UsageError
 from train.plan import comm, model, report
-from train.plan.hardware import IN_NODE_LATENCY_S, NETWORKS, gpu as gpu_spec
+from train.plan.hardware import CUSTOM, IN_NODE_LATENCY_S, NETWORKS, CustomNetwork, gpu as gpu_spec
 from train.plan.published import CHECKS, PUBLISHED_TOP1
+from train.rules import DEFAULT_PER_RANK_BATCH
+
+NO_PRESET = "none"  # how the output names a plan of the trainer's defaults (no --preset)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -18,11 +22,16 @@ class _Parser(argparse.ArgumentParser):
 
 def parser() -> argparse.ArgumentParser:
     p = _Parser(prog="python -m train.plan", description=package.__doc__.splitlines()[0])
-    p.add_argument("--preset", help="a trainer preset (train/presets) or a .yaml path")
+    p.add_argument("--preset", help="a trainer preset (train/presets) or a .yaml path (default: none, the trainer's "
+                                    f"defaults: ResNet-50 at 224 px, {DEFAULT_PER_RANK_BATCH} images per GPU kept)")
     p.add_argument("--gpus", help="GPU counts: N, a list N,M,..., or A:B (A, 2A, 4A, ... up to B)")
     p.add_argument("--gpu", help="v100, a100, h100 or h200")
     p.add_argument("--gpus-per-node", type=int, help="default: the GPU's usual server (8)")
-    p.add_argument("--network", help=f"between nodes: {', '.join(NETWORKS)} (default: the GPU's usual server's)")
+    p.add_argument("--network", help=f"between nodes: {', '.join(NETWORKS)}, or {CUSTOM} (--link-gbps and "
+                                     "--latency-us) (default: the GPU's usual server's)")
+    p.add_argument("--link-gbps", type=float, help=f"--network {CUSTOM}: Gbit/s one link delivers per direction (0.15: "
+                                                   "150 Mbit/s), taken as is: no efficiency factor")
+    p.add_argument("--latency-us", type=float, help=f"--network {CUSTOM}: one-way latency of a hop, microseconds")
     p.add_argument("--links-per-node", type=int, help="network adapters per node (default: the usual server's)")
     p.add_argument("--in-node", default="nvlink", help=f"link between a node's GPUs: {', '.join(IN_NODE_LATENCY_S)}")
     p.add_argument("--allreduce", help=f"{', '.join(comm.ALGORITHMS)} (default: the preset's)")
@@ -68,13 +77,34 @@ def gpu_counts(spec: str) -> list[int]:
     return counts
 
 
+def network_of(args, usual: str) -> str | CustomNetwork:
+    """--network (default: the usual server's `usual`); custom is built from --link-gbps and --latency-us,
+    which describe nothing else and so are refused without it."""
+    custom_flags = {"--link-gbps": args.link_gbps, "--latency-us": args.latency_us}
+    if args.network != CUSTOM:
+        given = [flag for flag, value in custom_flags.items() if value is not None]
+        if given:
+            both = len(given) > 1
+            raise UsageError(f"{' and '.join(given)} {'describe' if both else 'describes'} --network {CUSTOM} only; "
+                             f"add --network {CUSTOM} or leave {'them' if both else 'it'} out")
+        return args.network or usual
+    missing = [flag for flag, value in custom_flags.items() if value is None]
+    if missing:
+        raise UsageError(f"--network {CUSTOM} needs {' and '.join(missing)}: give --link-gbps G (Gbit/s one link "
+                         "delivers) and --latency-us L (one-way, microseconds)")
+    return CustomNetwork(args.link_gbps, args.latency_us)
+
+
 def setup_of(args, allreduce: str | None = None) -> model.Setup:
     """The Setup for the flags: the preset loaded as the trainer loads it, the GPU's fitted compute."""
-    cfg = parse_config(["--preset", args.preset])
+    if args.preset:
+        cfg, preset, per_gpu_batch = parse_config(["--preset", args.preset]), args.preset, args.per_gpu_batch or 0
+    else:  # the trainer's defaults: its per-rank batch on every GPU count, so that any count divides
+        cfg, preset, per_gpu_batch = Config(), NO_PRESET, args.per_gpu_batch or DEFAULT_PER_RANK_BATCH
     spec = gpu_spec(args.gpu)
     per_node, network, links = spec.node
     machine = model.Machine(spec, per_node if args.gpus_per_node is None else args.gpus_per_node,
-                            args.network or network, links if args.links_per_node is None else args.links_per_node,
+                            network_of(args, network), links if args.links_per_node is None else args.links_per_node,
                             args.in_node)
     if machine.gpus_per_node < 1:
         raise UsageError(f"--gpus-per-node must be at least 1, got {machine.gpus_per_node}")
@@ -95,8 +125,8 @@ def setup_of(args, allreduce: str | None = None) -> model.Setup:
     top1 = PUBLISHED_TOP1.get(args.preset) or cfg.target_accuracy or model.MLPERF_TARGET
     cap = model.DALI_GPU_IMG_S if args.loader == "dali-gpu" else args.cpu_cores_per_gpu * model.CPU_DECODE_IMG_S_PER_CORE
     rows = cfg.torus_rows if args.torus_rows is None else args.torus_rows
-    return model.Setup(args.preset, cfg, machine, fit, allreduce, rows, args.overlap, args.wire, cap,
-                       args.per_gpu_batch or 0, args.startup_s, top1)
+    return model.Setup(preset, cfg, machine, fit, allreduce, rows, args.overlap, args.wire, cap, per_gpu_batch,
+                       args.startup_s, top1)
 
 
 def plans(setup: model.Setup, counts: list[int]) -> tuple[list[dict], list[str]]:
@@ -214,7 +244,7 @@ def main(argv=None) -> int:
         if args.published:
             print("\n".join(published_table()))
             return 0
-        missing = [flag for flag in ("preset", "gpus", "gpu") if not getattr(args, flag)]
+        missing = [flag for flag in ("gpus", "gpu") if not getattr(args, flag)]
         if missing:
             raise UsageError(f"give {', '.join('--' + m for m in missing)}; see python -m train.plan --help")
         counts = gpu_counts(args.gpus)
@@ -222,10 +252,10 @@ def main(argv=None) -> int:
         setup = setup_of(args)
         rows, skipped = plans(setup, counts)
         if not rows:
-            raise UsageError(f"no GPU count fits preset {args.preset}: " + "; ".join(skipped))
+            raise UsageError(f"no GPU count fits preset {setup.preset}: " + "; ".join(skipped))
         if report_path:
             lines = {name: plans(setup_of(args, name), counts)[0] for name in comm.ALGORITHMS}
-            written = report.draw_report(lines, report_path, f"{args.preset} on {setup.machine.gpu.name}")
+            written = report.draw_report(lines, report_path, f"{setup.preset} on {setup.machine.gpu.name}")
         if args.json:
             print(json.dumps(rows))
             for reason in skipped:  # stdout stays one JSON list of runnable counts

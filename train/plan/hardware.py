@@ -3,7 +3,9 @@
 Every figure is a data-sheet rate or a stated assumption; docs/planner.md gives each one's source.
 Rates are per direction. Links reach `LINK_EFFICIENCY` of their line rate (an assumption: what
 all-reduce benchmarks typically get out of a link), and every message hop pays its link's latency.
+A custom network (`--network custom`) is given by the rate it delivers, so it gets no such factor.
 """
+import math
 from dataclasses import dataclass
 
 from train.errors import UsageError
@@ -50,7 +52,25 @@ NETWORKS = {
     "ib-ndr": (400e9 / 8, 5e-6),  # NDR, 400 Gb/s
     "eth-100g": (100e9 / 8, 20e-6),  # 100 Gb Ethernet (RoCE or TCP): the same rate, a slower hop
 }
+CUSTOM = "custom"  # --network custom: a link given by --link-gbps and --latency-us
 IN_NODE_LATENCY_S = {"nvlink": 3e-6, "pcie": 5e-6}
+
+
+@dataclass(frozen=True)
+class CustomNetwork:
+    """A network between nodes given by what one link delivers (a measured or shaped link, e.g.
+    scripts/cluster.sh's): Gbit/s per direction and the one-way latency of one hop."""
+    gbps: float
+    latency_us: float
+
+    def __post_init__(self):
+        for flag, value, unit in (("--link-gbps", self.gbps, "Gbit/s, e.g. 0.15 for 150 Mbit/s"),
+                                  ("--latency-us", self.latency_us, "microseconds, e.g. 50")):
+            if not (math.isfinite(value) and value > 0):
+                raise UsageError(f"{flag} must be a positive finite number ({unit}), got {value:g}")
+
+    def __str__(self):  # how the header names it: "custom 0.15 Gbit/s, 50 us"
+        return f"{CUSTOM} {self.gbps:g} Gbit/s, {self.latency_us:g} us"
 
 
 def gpu(name: str) -> Gpu:
@@ -59,13 +79,16 @@ def gpu(name: str) -> Gpu:
     return GPUS[name.lower()]
 
 
-def network_link(name: str, links_per_node: int) -> Link:
-    """All of a node's links to the network together."""
-    if name not in NETWORKS:
-        raise UsageError(f"unknown --network {name!r}; known: {', '.join(NETWORKS)}")
+def network_link(network: str | CustomNetwork, links_per_node: int) -> Link:
+    """All of a node's links to the network together: a named network's, or a custom one's."""
+    if not isinstance(network, CustomNetwork) and network not in NETWORKS:
+        raise UsageError(f"unknown --network {network!r}; known: {', '.join(NETWORKS)}, {CUSTOM} (with --link-gbps "
+                         "and --latency-us)")
     if links_per_node < 1:
         raise UsageError(f"--links-per-node must be at least 1, got {links_per_node}")
-    rate, latency = NETWORKS[name]
+    if isinstance(network, CustomNetwork):  # its rate is what the link delivers: no efficiency factor on top
+        return Link(network.latency_us * 1e-6, links_per_node * network.gbps * 1e9 / 8)
+    rate, latency = NETWORKS[network]
     return Link(latency, links_per_node * rate * LINK_EFFICIENCY)
 
 

@@ -17,7 +17,7 @@ import yaml
 from train.config import Config
 from train.errors import UsageError
 from train.plan import comm, compute
-from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, Gpu, gpu as gpu_spec, in_node_link, network_link
+from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, CustomNetwork, Gpu, gpu as gpu_spec, in_node_link, network_link
 from train.rules import interpolate
 from train.schedule import batch_phases
 from train.score.flops import IMAGENET_TRAIN_IMAGES, published_flop, valid_flops
@@ -49,7 +49,7 @@ MEMORY_RESERVE_BYTES = 2e9
 class Machine:
     gpu: Gpu
     gpus_per_node: int
-    network: str
+    network: str | CustomNetwork  # a named network, or --network custom's link
     links_per_node: int
     in_node: str = "nvlink"
 
