@@ -124,7 +124,11 @@ def prepare_evaluation(cfg: Config) -> tuple:
 def create_engine(cfg: Config):
     # TRAINER_IFACE, before any library starts: a host may lack it while others have it, so the error
     # is this rank's own (printed by every rank that meets it)
-    engines.use_interface()
+    try:
+        engines.use_interface()
+    except UsageError as err:
+        engines.tell_refusal(f"{err}")  # torchrun: the other nodes' ranks would wait for this one
+        raise
     try:
         engine = engines.create(cfg)
     except UsageError as err:  # decided by the flags and the launcher's environment: alike on every rank

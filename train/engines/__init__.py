@@ -15,12 +15,12 @@ import torch
 
 from train.engines.horovod import Horovod
 from train.engines.launch import Launch, choose_engine, detect_launch
-from train.engines.network import use_interface
+from train.engines.network import tell_refusal, use_interface
 from train.engines.single import SingleProcess
 from train.engines.torch_distributed import TorchDistributed
 from train.errors import UsageError
 
-__all__ = ["ALLREDUCE", "ENGINES", "Engine", "Launch", "create", "detect_launch", "use_interface"]
+__all__ = ["ALLREDUCE", "ENGINES", "Engine", "Launch", "create", "detect_launch", "tell_refusal", "use_interface"]
 
 ALLREDUCE = ("flat", "hierarchical", "torus")  # --allreduce NAME
 

@@ -10,6 +10,10 @@ rank that has been inside a collective (a step's gradient all-reduce, or an agre
 for longer, with one line saying which ranks stopped answering: each rank listens on a TCP port of
 its collectives' address, and the watchdog tries to reach every other rank's at that moment. The
 libraries' own timeouts are set a little longer, as a backstop for the waits outside (start-up).
+
+A rank that refuses to start under torchrun tells the others through the rendezvous store: torchrun's
+agents do not stop each other's workers, so the ranks on other nodes would wait for it until the
+start-up timeout (tell_refusal, watch_refusals).
 """
 import contextlib
 import fcntl
@@ -141,3 +145,55 @@ class Watchdog:
         print(f"error: {me}: {who}: {what} waited {self.seconds:g} s (TRAINER_COLLECTIVE_TIMEOUT_S); "
               "ending this rank", file=sys.stderr, flush=True)
         os._exit(1)
+
+
+def _under_torchrun(env) -> bool:
+    return "TORCHELASTIC_RUN_ID" in env and "MASTER_ADDR" in env and "MASTER_PORT" in env
+
+
+def _refusal_key(env) -> str:
+    return f"trainer/refused/{env.get('TORCHELASTIC_RESTART_COUNT', '0')}"  # (a restart is a new meeting)
+
+
+def _store(env, host: bool):
+    import datetime
+    from torch.distributed import TCPStore
+    return TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), is_master=host, wait_for_workers=False,
+                    timeout=datetime.timedelta(seconds=30))
+
+
+def tell_refusal(line: str, env=os.environ) -> None:
+    """Under torchrun: this rank's refusal to start, posted where the other ranks wait to meet (the
+    agent's store, or rank 0's own when the agents share none: then this rank, if rank 0, hosts it
+    for a few seconds). Best effort: without it the others end at the start-up timeout."""
+    if not _under_torchrun(env):
+        return
+    host = env.get("RANK") == "0" and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    try:
+        _store(env, host).set(_refusal_key(env), line)
+        if host:
+            time.sleep(5)  # the store lives in this process: time for the others to read it
+    except Exception:  # noqa: BLE001 (no store to reach: the timeout still ends the others)
+        pass
+
+
+def watch_refusals(rank: int, env=os.environ) -> threading.Event | None:
+    """Under torchrun, while this rank waits to meet the others: ends it, with one line, when another
+    rank posts its refusal to start (tell_refusal). Set the returned event once the ranks have met."""
+    if not _under_torchrun(env):
+        return None
+    met = threading.Event()
+
+    def watch():
+        try:
+            store, key = _store(env, False), _refusal_key(env)
+            while not met.wait(0.5):
+                if store.check([key]):
+                    refused = store.get(key).decode()
+                    print(f"error: rank {rank} on {socket.gethostname()}: not starting, another rank refused: {refused}",
+                          file=sys.stderr, flush=True)
+                    os._exit(2)
+        except Exception:  # noqa: BLE001 (the store went away: the meeting itself fails or goes on)
+            return
+    threading.Thread(target=watch, name="refusal-watch", daemon=True).start()
+    return met

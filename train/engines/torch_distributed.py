@@ -9,7 +9,7 @@ import os
 import torch
 
 from train.engines.launch import detect_launch, local_device
-from train.engines.network import collective_timeout, set_library_timeouts
+from train.engines.network import collective_timeout, set_library_timeouts, watch_refusals
 from train.engines.topology import Topology
 from train.errors import UsageError
 
@@ -39,11 +39,14 @@ class TorchDistributed(Topology):
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         # the backstop; the watchdog (train/engines/network.py) ends a wait at TRAINER_COLLECTIVE_TIMEOUT_S
         timeout = datetime.timedelta(seconds=set_library_timeouts(collective_timeout()))
+        watch = watch_refusals(self.rank)  # a rank on another node may refuse to start (torchrun)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                 device_id=self.device if backend == "nccl" else None)
         # host-side control messages (stop flags) travel over gloo: no GPU sync
         self.control = dist.new_group(backend="gloo", timeout=timeout) if backend == "nccl" else None
         self._meet(cfg, self._gather_object)
+        if watch:
+            watch.set()
         self._groups = {}
 
     def _group(self, ranks):
