@@ -285,7 +285,7 @@ for i in $(seq "$nodes"); do
 done
 
 if [ "$slurm" = 1 ]; then
-    command -v slurmctld >/dev/null && command -v munged >/dev/null \
+    { command -v slurmctld >/dev/null && command -v munged >/dev/null; } \
         || die "--slurm needs Debian's slurm-wlm and munge; run: bash scripts/slurm/local_cluster.sh (installs them) or apt-get install slurm-wlm munge"
     mkdir -p "$dir/slurm/ctld"
     # one key for every node's munged (each on the socket under its node's own /run)
