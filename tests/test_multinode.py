@@ -125,6 +125,7 @@ def sbatch(cluster, folder, *args, env=None, timeout=300):
 
 
 def test_sbatch_runs_across_two_nodes(cluster):
+    assert f"export SLURM_CONF={cluster.folder}/slurm/slurm.conf" in cluster.exports.splitlines()
     folder = cluster.shared / "sbatch"
     done, log = sbatch(cluster, folder, *TINY, env=DATA)
     assert done.returncode == 0, done.stdout + done.stderr + log

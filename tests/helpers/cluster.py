@@ -48,8 +48,10 @@ class Cluster:
     @staticmethod
     def horovodrun_command(*args, mpi=False, hosts="node1:2,node2:2") -> list:
         ranks = sum(int(h.split(":")[1]) for h in hosts.split(","))
-        return [BIN / "horovodrun", "-np", ranks, "-H", hosts, "--disable-cache", "--mpi" if mpi else "--gloo",
-                PYTHON, "-m", "train", *args]
+        # horovodrun's own traffic pinned to the management network, as the README advises; so its
+        # HOROVOD_GLOO_IFACE names mgmt0 too, and only the trainer's TRAINER_IFACE moves the collectives
+        return [BIN / "horovodrun", "-np", ranks, "-H", hosts, "--disable-cache", "--network-interface", "mgmt0",
+                "--mpi" if mpi else "--gloo", PYTHON, "-m", "train", *args]
 
     def torchrun(self, folder: Path, *args, nodes=("node1", "node2"), per_node=2, env=None) -> list[subprocess.Popen]:
         """One torchrun agent per node, `per_node` workers each, meeting at node1's c10d rendezvous;
