@@ -164,15 +164,15 @@ class Training:
         self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}",
                        train_images=loader.train_images, val_images=loader.val_images,
                        precision=self.precision.name, schedule=self.schedule)
-        if layout:  # how the ranks lie on the nodes, from their host names, and what they all train on
-            self.log.metrics(kind="topology", **layout, hosts=engine.hosts, sample_list_digest=loader.sample_list_digest)
         for line in self.setup.warnings:
             self.log.warning(line)
         if loader.empty_classes:
             self.log.warning(f"{len(loader.empty_classes)} class folder(s) hold no training images: "
                              f"{', '.join(loader.empty_classes[:5])}", kind="data", empty_classes=loader.empty_classes)
         resumed_at = {"step": s.step, "epoch": s.epoch + s.step_in_epoch / self.clock.steps_in(s.epoch)}
-        self.log.run_start(resumed_at if cfg.resume else None)
+        # (with how the ranks lie on the nodes, from their host names, and what they all train on)
+        self.log.run_start(resumed_at if cfg.resume else None, topology=layout and {
+            **layout, "hosts": engine.hosts, "sample_list_digest": loader.sample_list_digest})
         self.started = self.last_checkpoint = time.time()
         self.first_step = s.step  # where this segment of the run starts (0, or a resume's step)
         s.stop = s.step >= cfg.max_steps > 0

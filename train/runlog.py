@@ -75,9 +75,9 @@ class RunLog:
         if record:
             self.metrics(**record)
 
-    def run_start(self, resumed_at: dict | None = None) -> None:
+    def run_start(self, resumed_at: dict | None = None, topology: dict | None = None) -> None:
         """Set-up is over: MLLOG's run_start, and the run's clock; `resumed_at` ({step, epoch}) marks
-        a resumed segment."""
+        a resumed segment; `topology` (the nodes and the sample list) is this segment's record of them."""
         self._end(K.INIT_STOP)
         self._start(K.RUN_START)
         self._started = time.time()
@@ -86,6 +86,9 @@ class RunLog:
         if resumed_at:
             gap = round(self._started - last["time"], 3) if "time" in last else None
             self.metrics(kind="resume", **resumed_at, seconds=round(self._offset, 3), gap_s=gap)
+        if topology:
+            self.metrics(kind="topology", step=resumed_at["step"] if resumed_at else 0, **topology,
+                         seconds=round(self._offset, 3))
         self._open_tensorboard(resumed_at["step"] if resumed_at else None)
 
     def epoch_start(self, epoch: int, fresh: bool) -> None:

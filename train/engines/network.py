@@ -30,6 +30,7 @@ from train.errors import UsageError
 DEFAULT_TIMEOUT_S = 300
 BACKSTOP_S = 30  # the libraries' timeouts: the watchdog's, and this much more
 PROBE_S = 3.0  # how long a reachable rank may take to accept a connection
+GRACE_S = 10.0  # how long a rank that said who stopped answering waits before it ends (Watchdog._end)
 
 
 def collective_timeout(env=os.environ) -> float:
@@ -144,6 +145,9 @@ class Watchdog:
             who = "the other ranks stopped answering (all still reachable: a rank stuck, or a step longer than the timeout)"
         print(f"error: {me}: {who}: {what} waited {self.seconds:g} s (TRAINER_COLLECTIVE_TIMEOUT_S); "
               "ending this rank", file=sys.stderr, flush=True)
+        # the ranks on the other side of a dead link reach their own timeout about now: a launcher that
+        # ends every rank when one ends (horovodrun) would cut their line off, so leave a little later
+        time.sleep(min(GRACE_S, self.seconds / 2))
         os._exit(1)
 
 
