@@ -11,7 +11,7 @@ import pytest
 
 from helpers import REPO, child_env, run_train
 from train.config import Config
-from train.engines.network import Watchdog, collective_timeout, use_interface
+from train.engines.network import Watchdog, collective_timeout, set_library_timeouts, use_interface
 from train.engines.topology import Topology, node_summary
 from train.errors import UsageError
 
@@ -22,6 +22,18 @@ def test_an_interface_is_handed_to_every_library():
     assert env["GLOO_SOCKET_IFNAME"] == "lo" and env["HOROVOD_GLOO_IFACE"] == "lo" and env["TP_SOCKET_IFNAME"] == "lo"
     assert env["NCCL_SOCKET_IFNAME"] == "=lo"  # exactly lo, not every name starting with it
     assert env["OMPI_MCA_btl_tcp_if_include"] == "lo"
+
+
+def test_the_settings_go_to_the_environment_of_the_moment(monkeypatch):
+    """Not to the one there was at import: a test that stands a dict in for os.environ must not leak
+    the settings into its worker's real environment (they reached later launches: a 330 s gloo timeout)."""
+    import os
+    real = os.environ
+    monkeypatch.delenv("HOROVOD_GLOO_TIMEOUT_SECONDS", raising=False)
+    monkeypatch.setattr(os, "environ", {"TRAINER_IFACE": "lo"})
+    assert use_interface() == "lo" and set_library_timeouts(20) == 50
+    assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "50"
+    assert "HOROVOD_GLOO_TIMEOUT_SECONDS" not in real and real.get("GLOO_SOCKET_IFNAME") != "lo"
 
 
 def test_no_interface_named_changes_nothing():

@@ -33,7 +33,8 @@ PROBE_S = 3.0  # how long a reachable rank may take to accept a connection
 GRACE_S = 10.0  # how long a rank that said who stopped answering waits before it ends (Watchdog._end)
 
 
-def collective_timeout(env=os.environ) -> float:
+def collective_timeout(env=None) -> float:
+    env = os.environ if env is None else env  # (read when called: a test may replace os.environ)
     value = env.get("TRAINER_COLLECTIVE_TIMEOUT_S", str(DEFAULT_TIMEOUT_S))
     try:
         seconds = float(value)
@@ -45,9 +46,10 @@ def collective_timeout(env=os.environ) -> float:
     return seconds
 
 
-def use_interface(env=os.environ) -> str | None:
+def use_interface(env=None) -> str | None:
     """TRAINER_IFACE, checked against this host's interfaces and handed to every library (in `env`,
     this process's environment); None when unset."""
+    env = os.environ if env is None else env
     name = env.get("TRAINER_IFACE", "")
     if not name:
         return None
@@ -68,8 +70,9 @@ def use_interface(env=os.environ) -> str | None:
     return name
 
 
-def set_library_timeouts(seconds: float, env=os.environ) -> float:
+def set_library_timeouts(seconds: float, env=None) -> float:
     """The libraries' own timeouts (the backstop), in seconds: torch's is passed to its process groups."""
+    env = os.environ if env is None else env
     backstop = seconds + BACKSTOP_S
     env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(backstop)))
     return backstop
@@ -166,10 +169,11 @@ def _store(env, host: bool):
                     timeout=datetime.timedelta(seconds=30))
 
 
-def tell_refusal(line: str, env=os.environ) -> None:
+def tell_refusal(line: str, env=None) -> None:
     """Under torchrun: this rank's refusal to start, posted where the other ranks wait to meet (the
     agent's store, or rank 0's own when the agents share none: then this rank, if rank 0, hosts it
     for a few seconds). Best effort: without it the others end at the start-up timeout."""
+    env = os.environ if env is None else env
     if not _under_torchrun(env):
         return
     host = env.get("RANK") == "0" and env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
@@ -181,9 +185,10 @@ def tell_refusal(line: str, env=os.environ) -> None:
         pass
 
 
-def watch_refusals(rank: int, env=os.environ) -> threading.Event | None:
+def watch_refusals(rank: int, env=None) -> threading.Event | None:
     """Under torchrun, while this rank waits to meet the others: ends it, with one line, when another
     rank posts its refusal to start (tell_refusal). Set the returned event once the ranks have met."""
+    env = os.environ if env is None else env
     if not _under_torchrun(env):
         return None
     met = threading.Event()
