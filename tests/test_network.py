@@ -1,6 +1,8 @@
 """The network settings on one host (their multi-node twins: tests/test_multinode*.py): TRAINER_IFACE
 handed to every library or refused with the host's interfaces, TRAINER_COLLECTIVE_TIMEOUT_S's
 watchdog naming who stopped answering, and the nodes taken from the ranks' host names."""
+import os
+import signal
 import socket
 import subprocess
 import sys
@@ -11,7 +13,8 @@ import pytest
 
 from helpers import REPO, child_env, run_train
 from train.config import Config
-from train.engines.network import Watchdog, collective_timeout, set_library_timeouts, use_interface
+from train.engines.network import collective_timeout, set_library_timeouts, use_interface
+from train.engines.watchdog import Watchdog
 from train.engines.topology import Topology, node_summary
 from train.errors import UsageError
 
@@ -89,26 +92,55 @@ def test_the_watchdog_finds_the_ranks_that_do_not_answer():
     assert watchdog.unreachable() == [(2, "b"), (3, "b")]
 
 
-def test_a_wait_longer_than_the_timeout_ends_the_rank_naming_who_stopped_answering(tmp_path):
+WAITS = {
+    "asleep": "time.sleep(30)",
+    # a C call that keeps Python's lock the whole time, as Horovod's enqueue does while its background
+    # thread waits on a dead link: no thread of the rank's runs until it returns
+    "holding Python's lock": "import ctypes; ctypes.PyDLL(None).sleep(30)",
+}
+
+
+@pytest.mark.parametrize("how", WAITS)
+def test_a_wait_longer_than_the_timeout_ends_the_rank_naming_who_stopped_answering(how):
     script = textwrap.dedent(f"""
         import time
-        from train.engines.network import Watchdog
+        from train.engines.watchdog import Watchdog
         watchdog = Watchdog(1.0, 0, "127.0.0.1")
         watchdog.peers = [(0, "here", "127.0.0.1", watchdog.port), (1, "there", "127.0.0.1", {closed_port()})]
         with watchdog.waiting("the gradient all-reduce"):
             pass  # a finished wait is no concern, however long the one before the next
         time.sleep(2)
         with watchdog.waiting("the gradient all-reduce"):
-            time.sleep(30)
+            {WAITS[how]}
     """)
     started = time.monotonic()
     ended = subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True, text=True,
                            timeout=60)
     assert time.monotonic() - started < 15
-    assert ended.returncode == 1
+    assert ended.returncode == -signal.SIGKILL  # (ended from outside: the rank itself may not run)
     assert ended.stderr.strip().splitlines() == [
         f"error: rank 0 on {socket.gethostname()}: there (rank 1) stopped answering: the gradient all-reduce waited "
         "1 s (TRAINER_COLLECTIVE_TIMEOUT_S); ending this rank"]
+
+
+def test_the_watcher_ends_with_its_rank():
+    script = textwrap.dedent("""
+        from train.engines.watchdog import Watchdog
+        print(Watchdog(1.0, 0, "127.0.0.1")._watcher.pid)
+    """)
+    watcher = int(subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True,
+                                 text=True, timeout=60, check=True).stdout)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{watcher}") and "Z" not in proc_state(watcher):
+        time.sleep(0.1)
+    assert not os.path.exists(f"/proc/{watcher}") or "Z" in proc_state(watcher)
+
+
+def proc_state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
 
 
 def test_the_nodes_are_the_host_names():

@@ -5,17 +5,17 @@ TRAINER_IFACE=NAME names the interface once for every library: the trainer sets 
 Horovod's and Open MPI's own variables from it in its own processes, before any of them starts. A
 name that this host lacks is refused before any collective, with the host's interfaces listed.
 
-TRAINER_COLLECTIVE_TIMEOUT_S (default 300) bounds a wait on the other ranks. A watchdog thread ends a
-rank that has been inside a collective (a step's gradient all-reduce, or an agreement on the host)
-for longer, with one line saying which ranks stopped answering: each rank listens on a TCP port of
-its collectives' address, and the watchdog tries to reach every other rank's at that moment. The
-libraries' own timeouts are set a little longer, as a backstop for the waits outside (start-up).
+TRAINER_COLLECTIVE_TIMEOUT_S (default 300) bounds a wait on the other ranks. A watchdog
+(train/engines/watchdog.py, a process of the rank's own) ends a rank that has been inside a collective
+(a step's gradient all-reduce, or an agreement on the host) for longer, with one line saying which
+ranks stopped answering: each rank listens on a TCP port of its collectives' address, and the watchdog
+tries to reach every other rank's at that moment. The libraries' own timeouts are set a little longer,
+as a backstop for the waits outside (start-up).
 
 A rank that refuses to start under torchrun tells the others through the rendezvous store: torchrun's
 agents do not stop each other's workers, so the ranks on other nodes would wait for it until the
 start-up timeout (tell_refusal, watch_refusals).
 """
-import contextlib
 import fcntl
 import os
 import socket
@@ -23,14 +23,11 @@ import struct
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from train.errors import UsageError
 
 DEFAULT_TIMEOUT_S = 300
 BACKSTOP_S = 30  # the libraries' timeouts: the watchdog's, and this much more
-PROBE_S = 3.0  # how long a reachable rank may take to accept a connection
-GRACE_S = 10.0  # how long a rank that said who stopped answering waits before it ends (Watchdog._end)
 
 
 def collective_timeout(env=None) -> float:
@@ -88,70 +85,6 @@ def interface_address(name: str | None) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-class Watchdog:
-    """Ends this rank when one of its collectives has waited longer than the timeout. `waiting()`
-    marks a collective; `peers` (rank, host, address, port) are whom to try when it fires."""
-
-    def __init__(self, seconds: float, rank: int, address: str):
-        self.seconds, self.rank, self.host = seconds, rank, socket.gethostname()
-        self.peers: list[tuple[int, str, str, int]] = []
-        self._since: float | None = None
-        self._what = ""
-        # the liveness port: accepting a connection is all it does (the kernel does it, in the backlog)
-        self.listener = socket.create_server((address, 0), backlog=128)
-        self.port = self.listener.getsockname()[1]
-        threading.Thread(target=self._watch, name="collective-watchdog", daemon=True).start()
-
-    @contextlib.contextmanager
-    def waiting(self, what: str):
-        outer = self._since is not None
-        if not outer:
-            self._since, self._what = time.monotonic(), what
-        try:
-            yield
-        finally:
-            if not outer:
-                self._since = None
-
-    def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.seconds / 10))
-            since = self._since
-            if since is not None and time.monotonic() - since > self.seconds:
-                self._end(self._what)
-
-    def unreachable(self) -> list[tuple[int, str]]:
-        """(rank, host) of the peers whose liveness port does not accept a connection now."""
-        def reached(peer) -> bool:
-            try:
-                socket.create_connection(peer[2:], timeout=PROBE_S).close()
-                return True
-            except OSError:
-                return False
-        others = [p for p in self.peers if p[0] != self.rank]
-        if not others:
-            return []
-        with ThreadPoolExecutor(max_workers=min(32, len(others))) as pool:
-            answers = list(pool.map(reached, others))
-        return [(p[0], p[1]) for p, ok in zip(others, answers) if not ok]
-
-    def _end(self, what: str) -> None:
-        lost = self.unreachable()
-        me = f"rank {self.rank} on {self.host}"
-        if lost:
-            hosts = sorted({host for _, host in lost})
-            ranks = ", ".join(str(rank) for rank, _ in lost)
-            who = f"{', '.join(hosts)} (rank{'s' if len(lost) > 1 else ''} {ranks}) stopped answering"
-        else:
-            who = "the other ranks stopped answering (all still reachable: a rank stuck, or a step longer than the timeout)"
-        print(f"error: {me}: {who}: {what} waited {self.seconds:g} s (TRAINER_COLLECTIVE_TIMEOUT_S); "
-              "ending this rank", file=sys.stderr, flush=True)
-        # the ranks on the other side of a dead link reach their own timeout about now: a launcher that
-        # ends every rank when one ends (horovodrun) would cut their line off, so leave a little later
-        time.sleep(min(GRACE_S, self.seconds / 2))
-        os._exit(1)
 
 
 def _under_torchrun(env) -> bool:

@@ -13,7 +13,8 @@ import socket
 import torch
 
 from models.batchnorm import convert_batchnorm
-from train.engines.network import Watchdog, collective_timeout, interface_address
+from train.engines.network import collective_timeout, interface_address
+from train.engines.watchdog import Watchdog
 from train.errors import UsageError, agreed_error
 
 
