@@ -43,9 +43,11 @@ class Watchdog:
         fd = os.memfd_create("trainer-watchdog")
         os.ftruncate(fd, mmap.PAGESIZE)
         self._page = mmap.mmap(fd, mmap.PAGESIZE)
-        # its own session: a signal to the rank's process group (a launcher's) leaves it to end with the rank
+        # its own session: a signal to the rank's process group (a launcher's) leaves it to end with the rank;
+        # none of the rank's environment: nothing that looks for the rank's processes by it finds this one
+        bare = {name: os.environ[name] for name in ("PATH", "LD_LIBRARY_PATH") if name in os.environ}
         self._watcher = subprocess.Popen([sys.executable, "-S", __file__, str(fd), repr(seconds), str(os.getpid())],
-                                         stdin=subprocess.PIPE, pass_fds=(fd,), start_new_session=True)
+                                         stdin=subprocess.PIPE, pass_fds=(fd,), start_new_session=True, env=bare)
         os.close(fd)
         self._tell()
 
