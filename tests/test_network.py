@@ -14,7 +14,7 @@ import pytest
 from helpers import REPO, child_env, run_train
 from train.config import Config
 from train.engines.network import collective_timeout, set_library_timeouts, use_interface
-from train.engines.watchdog import Watchdog
+from train.engines.watchdog import unreachable
 from train.engines.topology import Topology, node_summary
 from train.errors import UsageError
 
@@ -30,7 +30,6 @@ def test_an_interface_is_handed_to_every_library():
 def test_the_settings_go_to_the_environment_of_the_moment(monkeypatch):
     """Not to the one there was at import: a test that stands a dict in for os.environ must not leak
     the settings into its worker's real environment (they reached later launches: a 330 s gloo timeout)."""
-    import os
     real = os.environ
     monkeypatch.delenv("HOROVOD_GLOO_TIMEOUT_SECONDS", raising=False)
     monkeypatch.setattr(os, "environ", {"TRAINER_IFACE": "lo"})
@@ -86,10 +85,9 @@ def closed_port() -> int:
 
 def test_the_watchdog_finds_the_ranks_that_do_not_answer():
     alive = socket.create_server(("127.0.0.1", 0))
-    watchdog = Watchdog(60, 0, "127.0.0.1")
-    watchdog.peers = [(0, "a", "127.0.0.1", watchdog.port), (1, "a", *alive.getsockname()),
-                      (2, "b", "127.0.0.1", closed_port()), (3, "b", "127.0.0.1", closed_port())]
-    assert watchdog.unreachable() == [(2, "b"), (3, "b")]
+    peers = [(0, "a", "127.0.0.1", closed_port()),  # (this rank: never tried)
+             (1, "a", *alive.getsockname()), (2, "b", "127.0.0.1", closed_port()), (3, "b", "127.0.0.1", closed_port())]
+    assert unreachable(0, peers) == [(2, "b"), (3, "b")]
 
 
 WAITS = {
@@ -105,8 +103,8 @@ def test_a_wait_longer_than_the_timeout_ends_the_rank_naming_who_stopped_answeri
     script = textwrap.dedent(f"""
         import time
         from train.engines.watchdog import Watchdog
-        watchdog = Watchdog(1.0, 0, "127.0.0.1")
-        watchdog.peers = [(0, "here", "127.0.0.1", watchdog.port), (1, "there", "127.0.0.1", {closed_port()})]
+        watchdog = Watchdog(1.0, "127.0.0.1")
+        watchdog.meet(0, [(0, "here", "127.0.0.1", watchdog.port), (1, "there", "127.0.0.1", {closed_port()})])
         with watchdog.waiting("the gradient all-reduce"):
             pass  # a finished wait is no concern, however long the one before the next
         time.sleep(2)
@@ -126,7 +124,7 @@ def test_a_wait_longer_than_the_timeout_ends_the_rank_naming_who_stopped_answeri
 def test_the_watcher_ends_with_its_rank():
     script = textwrap.dedent("""
         from train.engines.watchdog import Watchdog
-        print(Watchdog(1.0, 0, "127.0.0.1")._watcher.pid)
+        print(Watchdog(1.0, "127.0.0.1")._watcher.pid)
     """)
     watcher = int(subprocess.run([sys.executable, "-c", script], cwd=REPO, env=child_env(), capture_output=True,
                                  text=True, timeout=60, check=True).stdout)

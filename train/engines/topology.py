@@ -68,11 +68,10 @@ class Topology:
         """Who is where, in one all-gather (`gather`, the engine's): every rank's host name and liveness
         address (train/engines/network.py), then the node layout from the host names."""
         if self.watchdog is None:  # (once per process: Horovod Elastic meets again after a change)
-            self.watchdog = Watchdog(collective_timeout(), self.rank, interface_address(os.environ.get("TRAINER_IFACE")))
-        self.watchdog.rank = self.rank
+            self.watchdog = Watchdog(collective_timeout(), interface_address(os.environ.get("TRAINER_IFACE")))
         everyone = gather((socket.gethostname(), *self.watchdog.listener.getsockname()[:2]))
         self.hosts = [host for host, _, _ in everyone]
-        self.watchdog.peers = [(rank, host, address, port) for rank, (host, address, port) in enumerate(everyone)]
+        self.watchdog.meet(self.rank, [(rank, host, address, port) for rank, (host, address, port) in enumerate(everyone)])
         self._layout(cfg, self.hosts.count(self.hosts[self.rank]))
         if cfg.allreduce != "flat" and not cfg.ranks_per_node:
             self._check_nodes_are_lines()

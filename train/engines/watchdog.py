@@ -31,11 +31,11 @@ _PAGE = struct.Struct("d120s")  # since (CLOCK_MONOTONIC, 0: not waiting), what 
 
 
 class Watchdog:
-    """The rank's side. `waiting(what)` marks a wait on the other ranks; `peers` (rank, host, address,
-    port), set once the ranks have met, are whom the watcher tries when it fires."""
+    """The rank's side. `waiting(what)` marks a wait on the other ranks; `meet(rank, peers)` says,
+    once the ranks have met (again, under Horovod Elastic), who this rank is and whom the watcher
+    tries when it fires: peers are (rank, host, address, port)."""
 
-    def __init__(self, seconds: float, rank: int, address: str):
-        self.seconds, self.rank, self._peers = seconds, rank, []
+    def __init__(self, seconds: float, address: str):
         self._depth = 0
         # the liveness port: accepting a connection is all it does (the kernel does it, in the backlog)
         self.listener = socket.create_server((address, 0), backlog=128)
@@ -49,22 +49,12 @@ class Watchdog:
         self._watcher = subprocess.Popen([sys.executable, "-S", __file__, str(fd), repr(seconds), str(os.getpid())],
                                          stdin=subprocess.PIPE, pass_fds=(fd,), start_new_session=True, env=bare)
         os.close(fd)
-        self._tell()
 
-    @property
-    def peers(self) -> list:
-        return self._peers
-
-    @peers.setter
-    def peers(self, peers) -> None:
-        self._peers = [tuple(p) for p in peers]
-        self._tell()
-
-    def _tell(self) -> None:
-        """The rank number and the peers, to the watcher (one line on its stdin)."""
+    def meet(self, rank: int, peers) -> None:
+        """To the watcher, one line on its stdin."""
         with contextlib.suppress(OSError):  # (a watcher gone: nothing to tell)
-            self._watcher.stdin.write(json.dumps({"rank": self.rank, "host": socket.gethostname(),
-                                                  "peers": self._peers}).encode() + b"\n")
+            self._watcher.stdin.write(json.dumps({"rank": rank, "host": socket.gethostname(),
+                                                  "peers": [list(p) for p in peers]}).encode() + b"\n")
             self._watcher.stdin.flush()
 
     @contextlib.contextmanager
@@ -79,9 +69,6 @@ class Watchdog:
             self._depth -= 1
             if self._depth == 0:
                 self._page[:8] = struct.pack("d", 0.0)
-
-    def unreachable(self) -> list[tuple[int, str]]:
-        return unreachable(self.rank, self._peers)
 
 
 def unreachable(rank: int, peers) -> list[tuple[int, str]]:
