@@ -145,6 +145,12 @@ class TorchLoader(FileLoader):
             batch = batch.to(self.device, non_blocking=True).float().mul_(self.scale).add_(self.shift)
         return batch.contiguous(memory_format=self.layout)  # a copy only for a batch that lost a skipped image
 
+    def _labels_on_device(self, labels: list[int]) -> torch.Tensor:
+        labels = torch.tensor(labels)
+        if self.device.type == "cuda":  # from pinned memory, queued on the stream: no wait for the GPU
+            labels = labels.pin_memory().to(self.device, non_blocking=True)
+        return labels
+
     def _train_slot(self, batch, slot, key, crop):
         pixels, label, skipped = train_item(self.train_source, *key, crop)
         self._put(batch, slot, pixels)
@@ -180,7 +186,7 @@ class TorchLoader(FileLoader):
                     continue
                 if len(good) < len(labels):
                     batch = batch[good]
-                yield self._on_device(batch), torch.tensor([labels[i] for i in good]).to(self.device, non_blocking=True)
+                yield self._on_device(batch), self._labels_on_device([labels[i] for i in good])
         finally:  # the loop stopped early: drop the work queued for batches nobody will read
             for _, slots in in_flight:
                 for slot in slots:

@@ -23,15 +23,16 @@ def replicas_differing(model, engine) -> int:
 def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
     """(top-1, top-5, images) over the whole validation set: global correct / global total."""
     model.eval()
-    device = engine.device
-    counts = torch.zeros(3, dtype=torch.int64, device=device)  # top-1 hits, top-5 hits, images
-    for images, labels in loader.val_batches():
+    hits_so_far = torch.zeros(2, dtype=torch.int64, device=engine.device)  # top-1, top-5: on the device until the end
+    images = 0
+    for batch, labels in loader.val_batches():
         with precision.autocast():
-            logits = model(images)
+            logits = model(batch)
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top == labels[:, None]
-        counts += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum(), torch.tensor(len(labels), device=device)])
-    counts = engine.all_reduce_sum(counts)
+        hits_so_far += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()])
+        images += len(labels)
+    counts = engine.all_reduce_sum(torch.cat([hits_so_far, hits_so_far.new_tensor([images])]))
     top1, top5, total = counts.tolist()
     return top1 / max(total, 1), top5 / max(total, 1), total
 

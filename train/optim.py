@@ -1,8 +1,13 @@
 """Optimizers by name (`--optimizer`): each is built from the run's settings and the model by one
-registered factory. A new optimizer is a class (or torch's own) plus a factory registered here."""
+registered factory. A new optimizer is a class plus a factory registered here.
+
+Every optimizer here declares `_step_supports_amp_scaling`: under fp16 loss scaling it unscales the
+gradients itself and skips an overflowing step on the device (train/lars.py amp_arguments), so that
+GradScaler never reads its found-inf flag on the host (a wait for the GPU in every step).
+"""
 import torch
 
-from train.lars import LARS, lars_param_groups
+from train.lars import LARS, amp_arguments, lars_param_groups, momentum_step
 
 OPTIMIZERS = {}  # --optimizer NAME -> factory(cfg, model, lr) -> torch.optim.Optimizer
 
@@ -35,7 +40,31 @@ def decay_groups(cfg, model) -> list[dict]:
 @register("sgd")
 def sgd(cfg, model, lr):
     """Momentum SGD, weight decay on the weights of convolutions and linear layers only."""
-    return torch.optim.SGD(decay_groups(cfg, model), lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov, foreach=True)
+    return SGD(decay_groups(cfg, model), lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+
+
+class SGD(torch.optim.SGD):
+    """torch's momentum SGD (its settings, arithmetic and state_dict), stepped by one fused pass per group
+    that also unscales and skips on the device under fp16 loss scaling. (torch's own fused SGD leaves a
+    skipped first step's momentum uninitialised, so it is not used as it is.)"""
+    _step_supports_amp_scaling = True
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        grad_scale, found_inf = amp_arguments(self)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self.state[p] for p in params]
+            for p, state in zip(params, states):
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            momentum_step(params, [p.grad for p in params], [s["momentum_buffer"] for s in states], group["momentum"],
+                          found_inf, lr=group["lr"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                          grad_scale=grad_scale)
+        return loss
 
 
 @register("rmsprop-warmup")
@@ -61,29 +90,42 @@ class RMSpropWarmup(torch.optim.Optimizer):
         super().__init__(params, dict(lr=lr, momentum=momentum, alpha=alpha, eps=eps, rms_lr_ratio=rms_lr_ratio,
                                       weight_decay=weight_decay, sgd_share=sgd_share))
 
+    _step_supports_amp_scaling = True  # unscales and skips by itself (see the module's docstring)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
+        grad_scale, found_inf = amp_arguments(self)
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
             grads = [p.grad for p in params]
+            if grad_scale is not None:
+                grads = torch._foreach_div(grads, grad_scale)  # (a power of two: exact, as GradScaler's own unscale)
             if group["weight_decay"]:
                 grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
+            alpha, momentum, lr = group["alpha"], group["momentum"], group["lr"]
+            if found_inf is not None:
+                # a skipped step (found_inf 1) changes nothing: zero gradients (no inf or NaN left in them)
+                # with factors that keep every state as it is, chosen on the device
+                keep = found_inf == 0
+                grads = [torch.where(keep, g, 0) for g in grads]
+                alpha, momentum = torch.where(keep, alpha, 1.0), torch.where(keep, momentum, 1.0)
+                lr = torch.where(keep, lr, 0.0)
             states = [self.state[p] for p in params]
             for p, state in zip(params, states):
                 if not state:
                     state["square_avg"], state["momentum_buffer"] = torch.zeros_like(p), torch.zeros_like(p)
             squares, buffers = [s["square_avg"] for s in states], [s["momentum_buffer"] for s in states]
-            torch._foreach_mul_(squares, group["alpha"])
+            torch._foreach_mul_(squares, alpha)
             torch._foreach_addcmul_(squares, grads, grads, value=1 - group["alpha"])
             rms = torch._foreach_add(torch._foreach_sqrt(squares), group["eps"])
             share = group["sgd_share"]
             directions = torch._foreach_div(grads, rms)
             torch._foreach_mul_(directions, (1 - share) * group["rms_lr_ratio"])
             torch._foreach_add_(directions, grads, alpha=share)
-            torch._foreach_mul_(buffers, group["momentum"])
+            torch._foreach_mul_(buffers, momentum)
             torch._foreach_add_(buffers, directions)
-            torch._foreach_add_(params, buffers, alpha=-group["lr"])
+            torch._foreach_sub_(params, torch._foreach_mul(buffers, lr))  # (lr a float, or a tensor: the same rounding)
         return loss

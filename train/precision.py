@@ -1,7 +1,14 @@
-"""Mixed precision: autocast for the forward pass, dynamic loss scaling for fp16.
+"""Mixed precision: which one a run takes, autocast for the forward pass, dynamic loss scaling for fp16.
 
-fp16 (V100 TensorCores) needs a GradScaler, which skips steps whose gradients overflowed;
-bf16 has fp32's range and needs none, on CUDA and on CPU.
+`--precision auto` follows the GPU's compute capability (docs/precision.md): bf16 from 8.0 up
+(Ampere, Hopper: bf16 TensorCores), fp16 with loss scaling below (V100, T4: TensorCores for fp16
+only; bf16 runs there, emulated and slow), fp32 on a CPU. The capability is asked of
+torch.cuda.get_device_capability, not of torch.cuda.is_bf16_supported(), which says yes on sm 7.x too
+(it counts emulation).
+
+fp16 needs a GradScaler, which skips steps whose gradients overflowed: the optimizers (train/optim.py)
+unscale and skip on the device, so no step reads the found-inf flag on the host. bf16 has fp32's
+range and needs none, on CUDA and on CPU.
 """
 import contextlib
 import os
@@ -10,24 +17,49 @@ import torch
 
 from train.errors import UsageError
 
-
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision NAME
+BF16_CAPABILITY = (8, 0)  # bf16 TensorCores from Ampere (sm 8.0) on
+
+
+def capability(device: torch.device) -> tuple[int, int]:
+    """The GPU's compute capability (major, minor)."""
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def resolve(name: str, device: torch.device) -> str:
-    if name == "auto":
-        if device.type != "cuda":
-            return "fp32"
-        return "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    """The precision a run takes: `name` (auto: by the device), checked against the device."""
     if name == "fp16" and device.type != "cuda" and not os.environ.get("TRAINER_ALLOW_CPU_FP16"):
         # CPU autocast does run fp16, slowly and to no purpose but tests of the loss-scaling path
         raise UsageError("--precision fp16 needs a CUDA GPU (loss scaling for TensorCores); use bf16 or fp32 on CPU")
-    return name
+    if name != "auto":
+        return name
+    if device.type != "cuda":
+        return "fp32"
+    return "bf16" if capability(device) >= BF16_CAPABILITY else "fp16"
+
+
+def explain(name: str, device: torch.device) -> tuple[str, str]:
+    """(where the run's precision comes from, for the header; a warning line or ""): the GPU, its
+    compute capability and the rule, or the CPU."""
+    chosen = resolve(name, device)
+    if device.type != "cuda":
+        return f"{chosen} on cpu", ""
+    major, minor = capability(device)
+    gpu = f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}"
+    below = (major, minor) < BF16_CAPABILITY
+    if name == "auto":
+        rule = "no bf16 TensorCores below 8.0: fp16 with loss scaling" if below else "bf16 TensorCores from 8.0 up"
+        return f"{chosen} on {gpu}: {rule})", ""
+    warning = (f"--precision bf16 on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}): bf16 "
+               "is emulated there without TensorCores, much slower than fp16; --precision auto takes fp16 with loss "
+               "scaling") if chosen == "bf16" and below else ""
+    return f"{chosen} on {gpu}, as asked)", warning
 
 
 class Precision:
     def __init__(self, name: str, device: torch.device):
         self.name = resolve(name, device)
+        self.source, self.warning = explain(name, device)
         self.device_type = device.type
         self.dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.name)
         self.scaler = torch.amp.GradScaler(device.type) if self.name == "fp16" else None
@@ -41,8 +73,10 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer step, on gradients the engine has averaged: with fp16 the scaler unscales
-        them, skips the step when they hold inf/NaN and adapts its scale."""
+        """The optimizer step, on gradients the engine has averaged: with fp16 the scaler hands the
+        optimizer its scale and the overflow flag as device tensors (the optimizers of train/optim.py
+        unscale, and skip the step when the gradients hold inf/NaN, on the device; another optimizer
+        gets torch's own unscale and a host read of the flag), then adapts its scale."""
         if self.scaler is None:
             optimizer.step()
             return

@@ -132,6 +132,10 @@ class Horovod(Topology):
         with self._waiting("an agreement"):
             return bool(self.hvd.allreduce(torch.tensor([int(flag)]), op=self.hvd.Max, name="stop_flag").item())
 
+    def agree(self, values: list[int]) -> list[int]:
+        with self._waiting("an agreement"):  # (a host tensor: no GPU sync)
+            return self.hvd.allreduce(torch.tensor(values, dtype=torch.int64), op=self.hvd.Max, name="agreement").tolist()
+
     def broadcast_object(self, obj):
         with self._waiting("a broadcast"):
             return self.hvd.broadcast_object(obj, root_rank=0)
@@ -278,7 +282,17 @@ class TwoLevelHorovodOptimizer:
     def step(self, closure=None):
         if not self._skip_synchronize:
             self.synchronize()
-        return self.optimizer.step(closure)
+        # fp16: GradScaler hands the loss scale and the overflow flag to the optimizer it is given (this
+        # wrapper) as attributes; the wrapped optimizer unscales and skips with them (train/optim.py)
+        handed = {name: vars(self).pop(name) for name in ("grad_scale", "found_inf") if name in vars(self)}
+        for name, value in handed.items():
+            setattr(self.optimizer, name, value)
+        try:
+            return self.optimizer.step(closure)
+        finally:
+            for name, value in handed.items():
+                delattr(self.optimizer, name)
+                setattr(self, name, value)  # (GradScaler deletes them from the wrapper afterwards)
 
     @contextlib.contextmanager
     def skip_synchronize(self):
