@@ -25,6 +25,7 @@ class LoaderSettings:
     seed: int = 0
     channels_last: bool = True
     precision: str = "fp32"  # the run's resolved precision (fp32 | bf16 | fp16): DALI hands out fp16 for fp16
+    dali_decode: str = "auto"  # --loader dali: where JPEGs are decoded (auto: on the GPU where there is one)
     crop_min_scale: float = 0.08
     crop_max_scale: float = 1.0
     crop_min_aspect: float = 3 / 4

@@ -187,7 +187,7 @@ def test_choices_in_help_and_validation_come_from_the_registries():
     from train.optim import OPTIMIZERS
     from train.schedule import SCHEDULES
     named = choices()
-    assert named["loader"] == tuple(LOADERS) and named["optimizer"] == tuple(OPTIMIZERS)
+    assert named["loader"] == ("auto", *LOADERS) and named["optimizer"] == tuple(OPTIMIZERS)
     assert named["lr_schedule"] == tuple(SCHEDULES) and named["engine"] == ("auto", *engines.ENGINES)
     help_text = "".join(parser().format_help().split())  # (argparse wraps lines, even at hyphens)
     assert "oneof" + ",".join(OPTIMIZERS) in help_text and "oneof" + ",".join(SCHEDULES) in help_text

@@ -195,7 +195,7 @@ def test_json_list_keys_and_arithmetic(capsys):
         assert {"gpus", "per_gpu_batch", "step_s", "compute_s", "comm_s", "img_per_s", "epochs", "time_to_train_s",
                 "valid_flops"} <= set(r)
         assert r["per_gpu_batch"] == 3200 // r["gpus"] and r["epochs"] == 37  # the preset's epochs
-        assert r["step_s"] == pytest.approx(r["compute_s"] + r["comm_s"] + r["optimizer_s"])
+        assert r["step_s"] == pytest.approx(r["compute_s"] + r["comm_s"] + r["optimizer_s"] + r["agreement_s"])
         assert r["img_per_s"] == pytest.approx(3200 / r["step_s"])
         steps = math.ceil(37 * 1_281_167 / 3200)
         assert r["time_to_train_s"] == pytest.approx(5.0 + steps * r["step_s"] + r["eval_s"])

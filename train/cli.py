@@ -87,7 +87,7 @@ class _Parser(argparse.ArgumentParser):
 
 def choices() -> dict[str, tuple]:
     """The names each choice setting takes, from the registries that serve them."""
-    return {"loader": tuple(LOADERS), "arch": tuple(ARCHS), "precision": PRECISIONS, "optimizer": tuple(OPTIMIZERS),
+    return {"loader": ("auto", *LOADERS), "dali_decode": ("auto", "cpu", "gpu"), "arch": tuple(ARCHS), "precision": PRECISIONS, "optimizer": tuple(OPTIMIZERS),
             "lr_schedule": tuple(SCHEDULES), "engine": ("auto", *ENGINES), "allreduce": ALLREDUCE,
             "division": ("open", "closed")}
 
@@ -190,7 +190,7 @@ BOUNDS = {
     "momentum": BELOW_1, "weight_decay": ZERO_OR_MORE, "lars_eta": ABOVE_0, "lars_epsilon": ZERO_OR_MORE,
     "label_smoothing": BELOW_1, "augment_off_epoch": ZERO_OR_MORE, "eval_every": ZERO_OR_MORE,
     "eval_offset": ZERO_OR_MORE, "target_accuracy": (lambda v: 0 <= v <= 1, "a fraction in (0, 1] (0: run all epochs)"),
-    "ranks_per_node": ZERO_OR_MORE, "torus_rows": ZERO_OR_MORE, "bn_span": AT_LEAST_1, "stop_check_every": AT_LEAST_1,
+    "ranks_per_node": ZERO_OR_MORE, "torus_rows": ZERO_OR_MORE, "bn_span": AT_LEAST_1, "stop_check_every": ZERO_OR_MORE,
     "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32)"), "max_steps": ZERO_OR_MORE, "log_every": AT_LEAST_1,
     "checkpoint_every": AT_LEAST_1, "checkpoint_every_steps": ZERO_OR_MORE, "checkpoint_every_minutes": ZERO_OR_MORE,
     "keep_checkpoints": ZERO_OR_MORE,

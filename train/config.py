@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, fields
 class Config:
     # data
     data_dir: str = field(default="", metadata={"help": "ImageNet-layout tree (train/<class>/, val/<class>/); empty: the embedded dataset"})
-    loader: str = field(default="torch", metadata={"help": "input pipeline"})
+    loader: str = field(default="auto", metadata={"help": "input pipeline; auto: DALI decoding on the GPU where there is a GPU and DALI's CUDA build, else torch (docs/gpu.md)"})
+    dali_decode: str = field(default="auto", metadata={"help": "where --loader dali decodes JPEGs; auto: on the GPU where there is one (nvJPEG), else on the CPU"})
     workers: int = field(default=4, metadata={"help": "input threads per rank: the torch loader's decoding threads, DALI's CPU threads"})
     threads: int = field(default=0, metadata={"help": "compute threads per rank (torch's intra-op threads; 0: OMP_NUM_THREADS if set, else the cores this process may use shared by the ranks on its host, less the loader's --workers on a GPU run, at least 1; docs/threads.md)"})
     image_size: int = field(default=224, metadata={"help": "training and evaluation crop size in pixels"})
@@ -32,11 +33,11 @@ class Config:
     bn_group_size: int = field(default=0, metadata={"help": "ghost BatchNorm: statistics over groups of this many images inside a rank's batch (0: the whole per-rank batch); with --bn-span S, group i of S ranks together"})
     bn_recompute_batches: int = field(default=0, metadata={"help": "BatchNorm without moving averages: before each evaluation, statistics recomputed over the last K training batches, averaged over all ranks (0: running averages)"})
     init_from_seed: bool = field(default=False, metadata={"help": "every rank builds the initial model from --seed instead of receiving rank 0's by broadcast (a checksum checks they agree)"})
-    precision: str = field(default="auto", metadata={"help": "fp16 is CUDA only; auto: bf16 on Ampere+, fp16 on older GPUs, fp32 on CPU"})
+    precision: str = field(default="auto", metadata={"help": "fp16 is CUDA only; auto: bf16 from compute capability 8.0 up (A100, H100), fp16 with loss scaling below (V100, T4), fp32 on CPU (docs/precision.md)"})
     # optimisation
     optimizer: str = field(default="lars", metadata={"help": "optimizer (train/optim.py)"})
     lr_schedule: str = field(default="warmup-poly", metadata={"help": "what changes during the run (train/schedule.py)"})
-    batch_size: int = field(default=0, metadata={"help": "images per rank per step (0: --global-batch-size / ranks, or 256 when neither is set)"})
+    batch_size: int = field(default=0, metadata={"help": "images per rank per step (0: --global-batch-size / ranks; when neither is set, on a GPU the largest power of two up to 256 whose step fits its memory, 256 on a CPU)"})
     global_batch_size: int = field(default=0, metadata={"help": "images per step over all ranks (0: --batch-size x ranks)"})
     batch_schedule: str = field(default="", metadata={"help": "batch-size control: 'E:B,...' = global batch B after E epochs (e.g. '30:69632'); per-rank batch and LR follow"})
     epochs: int = field(default=90, metadata={"help": "length of the run and of the LR schedule"})
@@ -74,7 +75,7 @@ class Config:
     torus_rows: int = field(default=0, metadata={"help": "--allreduce torus: ranks in one line of the grid, among which the reduce-scatter runs (0: the ranks per node)"})
     fp16_allreduce: bool = field(default=False, metadata={"help": "send gradients as fp16 (Horovod fp16 compression / DDP fp16 hook)"})
     bn_span: int = field(default=1, metadata={"help": "BatchNorm statistics over groups of this many consecutive ranks"})
-    stop_check_every: int = field(default=10, metadata={"help": "steps between the ranks' agreement on a preemption signal"})
+    stop_check_every: int = field(default=0, metadata={"help": "steps between the ranks' agreements on a stop signal (0: spaced by what they cost, at most 0.5 percent of the training time and 30 s of training apart; train/stopping.py)"})
     out_dir: str = field(default="", metadata={"help": "run directory (default: runs/<preset>-<time>)"})
     seed: int = field(default=0)
     max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})

@@ -10,7 +10,6 @@ the device between logging points; the only host syncs are at log points, epoch 
 import dataclasses
 import gc
 import platform
-import signal
 import sys
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.config import PREEMPTED_MARKER, Config, to_dict
+from train.device_choices import loader_summary
 from train.engines.topology import node_summary
 from train.errors import Diverged, Preempted, RunAborted, UsageError, agreed_error
 from train.evaluate import evaluate, replicas_differing
@@ -31,6 +31,7 @@ from train.optim import build_optimizer
 from train.runlog import RunLog, progress
 from train.schedule import EpochClock, EvalPlan, build_schedule
 from train.startup import Setup, prepare
+from train.stopping import Agreements, StopSignal
 
 
 def run(cfg: Config) -> dict:
@@ -103,6 +104,7 @@ class Training:
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
         self.ledger = SampleLedger()
+        self.agreements = Agreements(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.restart_flags = setup.restart_flags
         self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
@@ -148,19 +150,26 @@ class Training:
         s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
         s.stop, s.reached_target = s.step >= self.cfg.max_steps > 0, False  # (a rollback may go back before either)
         self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
+        self.agreements.restart(s.step)  # (every rank, at the same step: a resume, a rollback, a state sync)
         s.best_top1, s.best_step = saved.get("best_top1"), saved.get("best_step")  # (none in older checkpoints)
 
     def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
-        data_dir, note = self.setup.data_dir, self.setup.lr_note
+        data_dir, notes = self.setup.data_dir, self.setup.notes
         device = engine.device
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
         where, layout = node_summary(engine.hosts) if engine.hosts else ("", {})  # (Horovod Elastic: no hosts)
-        header = (f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
-                  f"{loader.train_images} train / {loader.val_images} val images | {where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch "
-                  f"{cfg.batch_size} = global batch {cfg.global_batch_size}{f', then epochs:batch {cfg.batch_schedule}' if cfg.batch_schedule else ''} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
-                  f"{cfg.warmup_epochs:g} epochs{f' ({note})' if note else ''} | {self.precision.name} on "
-                  f"{device.type}, {_count(torch.get_num_threads(), 'thread')} | {self.out_dir}")
+        batch_note, lr_note = (f" ({notes[key]})" if notes[key] else "" for key in ("batch", "lr"))
+        schedule = f", then epochs:batch {cfg.batch_schedule}" if cfg.batch_schedule else ""
+        header = " | ".join([
+            f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
+            f"{loader.train_images} train / {loader.val_images} val images",
+            f"{where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch {cfg.batch_size} = global "
+            f"batch {cfg.global_batch_size}{batch_note}{schedule}",
+            f"{cfg.optimizer} lr {cfg.lr:g}, warmup {cfg.warmup_epochs:g} epochs{lr_note}",
+            f"{self.precision.source}, {_count(torch.get_num_threads(), 'thread')}",  # (what the precision follows)
+            loader_summary(cfg.loader, cfg.dali_decode, cfg.workers, device),
+            str(self.out_dir)])
         self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}",
                        train_images=loader.train_images, val_images=loader.val_images,
                        precision=self.precision.name, schedule=self.schedule)
@@ -214,24 +223,22 @@ class Training:
             if s.step == cfg.max_steps:
                 s.stop = True
                 return
-            agreement_point = engine.world_size == 1 or s.step % cfg.stop_check_every == 0
-            if agreement_point and engine.any(stop_signal.raised):
+            stop = late = False
+            if self.agreements.due(s.step, engine.world_size):  # (train/stopping.py: spaced by what they cost)
+                stop, late = self.agreements.agree(engine, s.step, [stop_signal.raised, self._checkpoint_late()])
+            if stop:
                 self._preempt()
-            if s.step_in_epoch < self.loader.steps_per_epoch and self._checkpoint_due(agreement_point):
+            by_steps = cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0
+            if s.step_in_epoch < self.loader.steps_per_epoch and (by_steps or late):
                 self.save()  # (at an epoch's last step, end_of_epoch decides)
             if self.commit and s.step % cfg.commit_every == 0 and s.step_in_epoch < self.loader.steps_per_epoch:
                 self.commit()
 
-    def _checkpoint_due(self, agreement_point: bool) -> bool:
-        """--checkpoint-every-steps counts steps, alike on every rank; --checkpoint-every-minutes reads
-        rank 0's clock, which the ranks agree on at their agreement points (one small all-reduce)."""
-        cfg = self.cfg
-        if cfg.checkpoint_every_steps and self.state.step % cfg.checkpoint_every_steps == 0:
-            return True
-        if cfg.checkpoint_every_minutes and agreement_point:
-            late = self.engine.rank == 0 and time.time() - self.last_checkpoint >= cfg.checkpoint_every_minutes * 60
-            return self.engine.any(late)
-        return False
+    def _checkpoint_late(self) -> bool:
+        """--checkpoint-every-minutes reads rank 0's clock, which the ranks agree on at their agreements
+        (--checkpoint-every-steps counts steps, alike on every rank)."""
+        minutes = self.cfg.checkpoint_every_minutes
+        return bool(minutes) and self.engine.rank == 0 and time.time() - self.last_checkpoint >= minutes * 60
 
     def _follow_batch_schedule(self) -> None:
         """Batch-size control: the epoch's global batch from the schedule; the loader's per-rank batch
@@ -425,26 +432,3 @@ class Training:
 
 def _count(n: int, what: str) -> str:
     return f"{n} {what}{'' if n == 1 else 's'}"
-
-
-class StopSignal:
-    """Remembers a SIGUSR1 or SIGTERM (Slurm's warning before the time limit, a scheduler's stop) or
-    a SIGINT (Ctrl-C) while the run trains: the run checkpoints and stops at the ranks' next
-    agreement. A second Ctrl-C stops at once."""
-    SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-
-    def __enter__(self) -> "StopSignal":
-        self.raised = False
-        self.previous = {sig: signal.signal(sig, self._handle) for sig in self.SIGNALS}
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum, frame):
-        self.raised = True
-        if signum == signal.SIGINT:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-
-

@@ -19,10 +19,11 @@ from data.embedded import ensure_embedded
 from models import build_model
 from train import checkpoint, engines, runlock
 from train.config import Config, to_dict
+from train.device_choices import choose_loader, default_batch
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, agreed_error
 from train.precision import Precision
-from train.rules import batch_sizes, lr_and_warmup
+from train.rules import DEFAULT_PER_RANK_BATCH, batch_sizes, lr_and_warmup
 from train.schedule import EpochClock, batch_phases
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
@@ -37,7 +38,7 @@ class Setup:
     precision: Precision
     loader: object  # this rank's share of the data (data.Loader)
     data_dir: str  # "" for synthetic data
-    lr_note: str  # how the LR and warmup were chosen, for the header
+    notes: dict  # for the header: how the LR and warmup ("lr") and the per-GPU batch ("batch") were chosen
     out_dir: Path
     lock: "runlock.RunLock | None"  # rank 0's lock on the run directory (it moves with rank 0: train/elastic.py)
     ghost: int  # the BatchNorm ghost group (0: BN over the whole per-rank batch)
@@ -62,14 +63,14 @@ def prepare(cfg: Config) -> Setup:
     directory (rank 0 makes it and takes its lock)."""
     started_ms = int(time.time() * 1000)
     engine = create_engine(cfg)
-    cfg, loader, precision, data_dir, note, init = agreed(engine, lambda: checked_setup(cfg, engine))
+    cfg, loader, precision, data_dir, notes, init, warnings = agreed(engine, lambda: checked_setup(cfg, engine))
     loader, relisted = agree_on_samples(engine, cfg, precision, data_dir, loader)
     out_dir, lock = agreed(engine, lambda: make_out_dir(cfg, engine))
     return Setup(cfg=dataclasses.replace(cfg, out_dir=str(out_dir)), engine=engine, precision=precision,
-                 loader=loader, data_dir=data_dir, lr_note=note, out_dir=out_dir, lock=lock,
+                 loader=loader, data_dir=data_dir, notes=notes, out_dir=out_dir, lock=lock,
                  ghost=ghost_group(cfg, engine.world_size), init=init,
                  restart_flags="" if cfg.out_dir else f" with --out-dir {out_dir}", started_ms=started_ms,
-                 warnings=[relisted] if relisted else [])
+                 warnings=warnings + ([relisted] if relisted else []))
 
 
 def agree_on_samples(engine, cfg: Config, precision: Precision, data_dir: str, loader) -> tuple:
@@ -110,11 +111,12 @@ def prepare_evaluation(cfg: Config) -> tuple:
         run_dir = Path(cfg.out_dir)
         saved = checkpoint.to_evaluate(run_dir, cfg.checkpoint)
         precision = Precision(cfg.precision, engine.device)
-        batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or 256  # the run's per-rank batch
+        batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or DEFAULT_PER_RANK_BATCH  # the run's per-rank batch
         data_dir = resolve_data_dir(cfg)
         settings = LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch, evaluate_only=True,
                                      precision=precision.name)
-        loader = build_loader(cfg.loader, settings, engine.rank, engine.world_size, engine.device)
+        name, _ = choose_loader(cfg.loader, cfg.dali_decode, engine.device)
+        loader = build_loader(name, settings, engine.rank, engine.world_size, engine.device)
         state = checkpoint.load(saved, engine.device)
         check_evaluated(state, cfg, loader, saved, data_dir)
         return precision, loader, state
@@ -172,13 +174,18 @@ def agreed(engine, step):
 
 
 def checked_setup(cfg: Config, engine):
-    """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, note,
-    --init-from's weights and line or None)."""
+    """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, the
+    header's notes, --init-from's weights and line or None, warning lines). What the flags leave open
+    the device decides (train/device_choices.py): the precision, the loader and the per-GPU batch."""
     precision = Precision(cfg.precision, engine.device)
+    loader_name, loader_warning = choose_loader(cfg.loader, cfg.dali_decode, engine.device)
+    cfg = dataclasses.replace(cfg, loader=loader_name)  # (recorded in config.yaml as chosen)
     if cfg.restarted and cfg.global_batch_size % engine.world_size:
         raise UsageError(f"{cfg.out_dir} holds a run of global batch {cfg.global_batch_size}, which does not divide "
                          f"over {engine.world_size} ranks; continue it on a rank count that divides it")
-    batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size)
+    default, batch_note = (default_batch(engine.device, precision.name, cfg.image_size, cfg.arch)
+                           if not (cfg.batch_size or cfg.global_batch_size) else (DEFAULT_PER_RANK_BATCH, ""))
+    batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size, default)
     cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
     lr, warmup, note = lr_and_warmup(cfg, global_batch)
     cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup)
@@ -201,7 +208,8 @@ def checked_setup(cfg: Config, engine):
         _check_out_dir(cfg)
         if cfg.resume:
             _check_resume_position(cfg, loader)
-    return cfg, loader, precision, data_dir, note, init
+    warnings = [line for line in (precision.warning, loader_warning) if line]
+    return cfg, loader, precision, data_dir, {"lr": note, "batch": batch_note}, init, warnings
 
 
 def _build_loader(cfg: Config, engine, precision: Precision, data_dir: str, relist: bool = False):

@@ -59,6 +59,10 @@ class Engine(Protocol):
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on any: host-side agreement, no device sync."""
 
+    def agree(self, values: list[int]) -> list[int]:
+        """The largest of each value over the ranks, on every rank: host-side, no device sync (the
+        ranks' agreements, train/stopping.py)."""
+
     def broadcast_object(self, obj):
         """Rank 0's value on every rank."""
 

@@ -36,6 +36,9 @@ class SingleProcess:
     def any(self, flag: bool) -> bool:
         return flag
 
+    def agree(self, values: list[int]) -> list[int]:
+        return list(values)
+
     def broadcast_object(self, obj):
         return obj
 

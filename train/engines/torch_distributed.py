@@ -164,10 +164,13 @@ class TorchDistributed(Topology):
         return tensor
 
     def any(self, flag: bool) -> bool:
-        t = torch.tensor([int(flag)])
+        return self.agree([int(flag)])[0] > 0
+
+    def agree(self, values: list[int]) -> list[int]:
+        t = torch.tensor(values, dtype=torch.int64)  # on the host, over gloo: no GPU sync
         with self._waiting("an agreement"):
             self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.control)
-        return bool(t.item())
+        return t.tolist()
 
     def broadcast_object(self, obj):
         box = [obj]

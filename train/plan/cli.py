@@ -162,12 +162,13 @@ def header(setup: model.Setup) -> list[str]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = [("GPUs", "nodes", "batch/GPU", "global", "compute ms", "comm ms", "opt ms", "step ms", "img/s",
+    lines = [("GPUs", "nodes", "batch/GPU", "global", "compute ms", "comm ms", "opt ms", "agree ms", "step ms", "img/s",
               "img/s/GPU", "epochs", "eval s", "time to train", "FLOPS", "Valid FLOPS")]
     for r in rows:
         lines.append((f"{r['gpus']}", f"{r['nodes']}", f"{r['per_gpu_batch']}" + ("+" if "phases" in r else ""),
                       f"{r['global_batch']:,}", f"{r['compute_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}",
-                      f"{r['optimizer_s'] * 1e3:.2f}", f"{r['step_s'] * 1e3:.2f}" + ("*" if r["input_bound"] else
+                      f"{r['optimizer_s'] * 1e3:.2f}", f"{r['agreement_s'] * 1e3:.3f}",
+                      f"{r['step_s'] * 1e3:.2f}" + ("*" if r["input_bound"] else
                                                                                      "^" if r["peak_bound"] else ""),
                       f"{r['img_per_s']:,.0f}", f"{r['img_per_s_per_gpu']:,.0f}", f"{r['epochs']:.1f}",
                       f"{r['eval_s']:.1f}", duration(r["time_to_train_s"]), f"{r['flops']:.3e}",

@@ -20,6 +20,7 @@ from train.plan import comm, compute
 from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, CustomNetwork, Gpu, gpu as gpu_spec, in_node_link, network_link
 from train.rules import interpolate
 from train.schedule import batch_phases
+from train.stopping import interval as agreement_interval
 from train.score.flops import IMAGENET_TRAIN_IMAGES, published_flop, valid_flops
 
 IMAGENET_VAL_IMAGES = 50_000
@@ -28,6 +29,9 @@ OPTIMIZER_BYTES_PER_PARAM = 28  # LARS: reads weight, gradient, momentum; writes
 DEFAULT_OVERLAP = 0.75  # share of the all-reduce hidden behind backward (bucketed overlap)
 DEFAULT_STARTUP_S = 5.0  # run start to the first step
 WIRE_BYTES = {"fp16": 2, "fp32": 4}
+# The ranks' agreement on stopping (train/stopping.py): an all-reduce of a few numbers over gloo on the
+# hosts, a ring of 2 (ranks - 1) hops, each through both hosts' TCP stacks (assumed: 25 us a hop)
+HOST_HOP_S = 25e-6
 MLPERF_TARGET = 0.759
 # Input pipeline ceilings, images/s per GPU: DALI decoding on the GPU, and CPU decoding per core.
 DALI_GPU_IMG_S = 7950  # at least this: the fastest per-GPU rate published with DALI (8 H200)
@@ -105,9 +109,21 @@ def nodes_of(gpus: int, gpus_per_node: int) -> int:
 
 def max_per_gpu_batch(spec: Gpu, params: int, image_size: int) -> int:
     """The largest per-GPU batch whose step fits in the GPU's memory (activations scale with pixels)."""
-    per_image = ACTIVATION_BYTES_PER_IMAGE * (image_size / 224) ** 2
-    free = spec.memory_bytes - MEMORY_RESERVE_BYTES - params * STATE_BYTES_PER_PARAM
+    return fitting_batch(spec.memory_bytes, params, image_size)
+
+
+def fitting_batch(memory_bytes: float, params: int, image_size: int, precision: str = "fp16") -> int:
+    """The largest batch whose training step fits in `memory_bytes`: activations scale with the pixels,
+    and fp32 keeps them at twice the bytes of fp16 and bf16."""
+    per_image = ACTIVATION_BYTES_PER_IMAGE * (image_size / 224) ** 2 * (2 if precision == "fp32" else 1)
+    free = memory_bytes - MEMORY_RESERVE_BYTES - params * STATE_BYTES_PER_PARAM
     return max(0, int(free // per_image))
+
+
+def fitting_power_of_two(memory_bytes: float, params: int, image_size: int, precision: str, limit: int) -> int:
+    """The largest power of two up to `limit` that fitting_batch allows (0: not one image)."""
+    fits = min(fitting_batch(memory_bytes, params, image_size, precision), limit)
+    return 1 << (fits.bit_length() - 1) if fits else 0
 
 
 def check_rows(gpus: int, rows: int) -> None:
@@ -137,6 +153,10 @@ def _point_compute_s(point: dict, params: int) -> tuple[float, float]:
     machine = Machine(spec, point.get("gpus_per_node", 1), point.get("network", "ib-edr"), point.get("links_per_node", 1))
     comm_s = comm.allreduce_time(machine.cluster(gpus), params * WIRE_BYTES["fp16"], point.get("allreduce", "flat"),
                                  nccl=True)
+    base = step
+    for _ in range(5):  # the step without the ranks' agreement on stopping, which the plan adds to it
+        base = step - agreement_per_step(gpus, base)
+    step = base
     seconds = compute.compute_from_step(step, comm_s, optimizer_seconds(spec, params), DEFAULT_OVERLAP, BACKWARD_SHARE)
     return batch, seconds
 
@@ -201,11 +221,22 @@ def step_terms(setup: Setup, gpus: int, per_gpu_batch: int) -> dict:
     optimizer_s = optimizer_seconds(setup.machine.gpu, params)
     step = compute_s + comm_s + optimizer_s
     input_s, peak_s = per_gpu_batch / setup.input_cap, per_gpu_batch / setup.fit.peak_img_s
+    agreement_s = agreement_per_step(gpus, max(step, input_s, peak_s))
+    step += agreement_s
     nccl = comm.nccl_choice(cluster, nbytes)[0] if setup.allreduce == "flat" and gpus > 1 else None
     return {"per_gpu_batch": per_gpu_batch, "global_batch": per_gpu_batch * gpus, "compute_s": compute_s,
-            "comm_s": comm_s, "comm_total_s": comm_total, "optimizer_s": optimizer_s,
+            "comm_s": comm_s, "comm_total_s": comm_total, "optimizer_s": optimizer_s, "agreement_s": agreement_s,
             "step_s": max(step, input_s, peak_s), "input_bound": input_s > max(step, peak_s),
             "peak_bound": peak_s > max(step, input_s) * (1 + 1e-9), "nccl_algorithm": nccl}  # not at the point itself
+
+
+def agreement_per_step(gpus: int, step_s: float) -> float:
+    """The ranks' agreement on stopping, per step: one agreement of 2 (gpus - 1) host hops every
+    train/stopping.py interval of steps (0 on one GPU: nothing to agree)."""
+    if gpus == 1:
+        return 0.0
+    agreement_s = 2 * (gpus - 1) * HOST_HOP_S
+    return agreement_s / agreement_interval(agreement_s, step_s)
 
 
 def phases(setup: Setup, gpus: int) -> tuple[list[tuple[float, int]], float, str]:
@@ -260,7 +291,8 @@ def plan(setup: Setup, gpus: int) -> dict:
     first = terms[0]
     row = {"gpus": gpus, "nodes": nodes, "per_gpu_batch": first["per_gpu_batch"], "global_batch": first["global_batch"],
            "compute_s": first["compute_s"], "comm_s": first["comm_s"], "comm_total_s": first["comm_total_s"],
-           "optimizer_s": first["optimizer_s"], "step_s": first["step_s"], "input_bound": first["input_bound"],
+           "optimizer_s": first["optimizer_s"], "agreement_s": first["agreement_s"], "step_s": first["step_s"],
+           "input_bound": first["input_bound"],
            "peak_bound": first["peak_bound"], "nccl_algorithm": first["nccl_algorithm"],
            "img_per_s": trained / train_s, "img_per_s_per_gpu": trained / train_s / gpus, "epochs": epochs,
            "epochs_source": epochs_source, "steps": steps_total, "evals": evals, "eval_s": eval_s,

@@ -1,0 +1,98 @@
+"""What the GPU decides when the flags leave it open, checked with the GPU faked (these machines have
+none; scripts/gpu_check.sh runs the real one): the precision by compute capability (fp16 with loss
+scaling below 8.0, where bf16 would be emulated; bf16 from 8.0), the loader (DALI decoding on the GPU
+where DALI's CUDA build is there, else torch with a line saying why), and the per-GPU batch (the largest
+power of two up to 256 that fits the GPU's memory, by the planner's memory model)."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import run_train
+from train.device_choices import choose_loader, default_batch, loader_summary
+from train.errors import UsageError
+from train.precision import explain, resolve
+
+GPU = torch.device("cuda", 0)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """A GPU of a given compute capability and memory, as torch.cuda would describe it."""
+    def make(capability, name="Tesla V100-SXM2-16GB", memory_gib=16):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+        monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+        monkeypatch.setattr(torch.cuda, "get_device_properties",
+                            lambda device=None: SimpleNamespace(total_memory=memory_gib * 2 ** 30, name=name))
+        # what torch says of bf16 on every one of them, V100 included (it counts emulation): not the rule
+        monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: True)
+    return make
+
+
+@pytest.mark.parametrize("capability, name, expected", [
+    ((7, 0), "Tesla V100-SXM2-16GB", "fp16"), ((7, 5), "Tesla T4", "fp16"),
+    ((8, 0), "NVIDIA A100-SXM4-80GB", "bf16"), ((9, 0), "NVIDIA H100 80GB HBM3", "bf16")])
+def test_auto_precision_follows_the_compute_capability(fake_gpu, capability, name, expected):
+    fake_gpu(capability, name)
+    assert resolve("auto", GPU) == expected
+    source, warning = explain("auto", GPU)
+    major, minor = capability
+    assert source.startswith(f"{expected} on {name} (compute capability {major}.{minor}") and not warning
+    assert ("below 8.0" in source) == (expected == "fp16") and ("from 8.0 up" in source) == (expected == "bf16")
+
+
+def test_bf16_below_8_0_runs_with_a_warning_and_fp16_or_fp32_as_asked(fake_gpu):
+    fake_gpu((7, 0))
+    assert resolve("bf16", GPU) == "bf16"
+    source, warning = explain("bf16", GPU)
+    assert "as asked" in source and "emulated" in warning and "compute capability 7.0" in warning
+    assert "\n" not in warning
+    assert explain("fp32", GPU)[1] == explain("fp16", GPU)[1] == ""
+    fake_gpu((8, 6), "NVIDIA A40")
+    assert explain("bf16", GPU)[1] == ""  # TensorCores there: nothing to say
+
+
+def test_on_a_cpu_auto_is_fp32_and_fp16_is_refused():
+    assert resolve("auto", CPU) == "fp32" and explain("auto", CPU) == ("fp32 on cpu", "")
+    with pytest.raises(UsageError, match="fp16 needs a CUDA GPU"):
+        resolve("fp16", CPU)
+
+
+def test_the_loader_is_dali_decoding_on_the_gpu_where_it_can():
+    with_dali, without = (lambda: ""), (lambda: "DALI is not installed (pip install nvidia-dali-cuda130)")
+    assert choose_loader("auto", "auto", GPU, with_dali) == ("dali", "")
+    loader, warning = choose_loader("auto", "auto", GPU, without)
+    assert loader == "torch" and "DALI is not installed" in warning and "\n" not in warning
+    assert choose_loader("auto", "auto", CPU, with_dali) == ("torch", "")
+    assert choose_loader("torch", "auto", GPU, with_dali) == ("torch", "")  # asked for: kept, nothing said
+    assert choose_loader("dali", "cpu", GPU, with_dali) == ("dali", "")
+    with pytest.raises(UsageError, match="--dali-decode gpu needs a CUDA GPU"):
+        choose_loader("dali", "gpu", CPU, with_dali)
+
+
+def test_the_header_names_the_loader_in_its_own_words():
+    assert loader_summary("torch", "auto", 2, CPU) == "torch, 2 threads"
+    assert loader_summary("dali", "auto", 2, CPU) == "dali, decode on CPU, 2 threads"
+    assert loader_summary("dali", "auto", 4, GPU) == "dali, decode on GPU"
+    assert loader_summary("dali", "cpu", 1, GPU) == "dali, decode on CPU, 1 thread"
+    assert loader_summary("synthetic", "auto", 4, GPU) == "synthetic"
+
+
+@pytest.mark.parametrize("memory_gib, precision, expected", [
+    (16, "fp16", 256), (16, "bf16", 256), (16, "fp32", 128),  # V100-16GB: as NVIDIA's own recipes take it
+    (8, "fp16", 128), (8, "fp32", 64), (80, "fp32", 256), (141, "bf16", 256)])
+def test_the_per_gpu_batch_is_the_largest_power_of_two_that_fits(fake_gpu, memory_gib, precision, expected):
+    fake_gpu((7, 0), memory_gib=memory_gib)
+    batch, note = default_batch(GPU, precision, 224, "resnet50")
+    assert batch == expected
+    assert f"batch {expected} per GPU" in note and f"{memory_gib} GiB" in note and precision in note
+    assert default_batch(GPU, "fp16", 112, "resnet50")[0] == 256  # a quarter of the pixels: more fits, still 256 at most
+    assert default_batch(CPU, "fp32", 224, "resnet50") == (256, "")
+
+
+def test_dali_decoding_on_the_gpu_without_one_is_one_line(tmp_path):
+    done = run_train("--loader", "dali", "--dali-decode", "gpu", "--max-steps", 1, "--out-dir", "run", cwd=tmp_path)
+    assert done.returncode == 2
+    assert done.stderr.strip() == "error: --dali-decode gpu needs a CUDA GPU; use --dali-decode cpu (or auto) here"
+    assert not (tmp_path / "run").exists()

@@ -1,0 +1,78 @@
+"""What the device decides when the flags leave it open (docs/gpu.md): the input pipeline, and the
+per-GPU batch. (The precision follows the GPU's compute capability: train/precision.py.)
+
+- The loader: on a GPU, DALI decoding on the GPU (nvJPEG) where DALI's CUDA build is installed: the
+  torch loader's decoding threads deliver a couple of thousand images/s per node, an eighth of what
+  eight V100s train on and a thirtieth of eight H100s'. Without it, the torch loader, with one line
+  saying why. On a CPU the torch loader.
+- The per-GPU batch: the largest power of two up to 256 whose training step fits in the GPU's
+  memory, by the planner's memory model (train/plan/model.py); on a CPU 256.
+"""
+import importlib.metadata
+import importlib.util
+
+import torch
+
+from train.errors import UsageError
+from train.rules import DEFAULT_PER_RANK_BATCH
+
+DALI_PACKAGE = "nvidia-dali-cuda130"  # what scripts/setup.sh and the Dockerfile install (-cuda120 on CUDA 12 stacks)
+
+
+def dali_cuda_build() -> str:
+    """"" when DALI's CUDA build is installed and loads, else why not."""
+    if importlib.util.find_spec("nvidia") is None or importlib.util.find_spec("nvidia.dali") is None:
+        return f"DALI is not installed (pip install {DALI_PACKAGE})"
+    builds = [d.metadata["Name"] for d in importlib.metadata.distributions()
+              if (d.metadata["Name"] or "").lower().startswith("nvidia-dali-cuda")]
+    if not builds:
+        return f"the installed DALI is not a CUDA build (pip install {DALI_PACKAGE})"
+    try:
+        import nvidia.dali  # noqa: F401
+    except Exception as err:  # installed, but it does not load here
+        return f"DALI ({builds[0]}) does not load: {type(err).__name__}: {err}"
+    return ""
+
+
+def choose_loader(requested: str, decode: str, device: torch.device, why_no_dali=dali_cuda_build) -> tuple[str, str]:
+    """(the loader, a warning line or ""): `--loader auto` by the device; `--dali-decode gpu` needs one."""
+    if decode == "gpu" and device.type != "cuda":
+        raise UsageError("--dali-decode gpu needs a CUDA GPU; use --dali-decode cpu (or auto) here")
+    if requested != "auto":
+        return requested, ""
+    if device.type != "cuda":
+        return "torch", ""
+    missing = why_no_dali()
+    if missing:
+        return "torch", (f"the torch loader feeds this GPU ({missing}): its decoding threads deliver a few thousand "
+                         "images/s per node, less than GPUs train on; DALI decodes on the GPU")
+    return "dali", ""
+
+
+def dali_decodes_on_gpu(decode: str, device: torch.device) -> bool:
+    """--dali-decode: auto decodes on the GPU where there is one."""
+    return device.type == "cuda" and decode != "cpu"
+
+
+def loader_summary(loader: str, decode: str, workers: int, device: torch.device) -> str:
+    """The loader as the run's header names it: `torch, 4 threads`, `dali, decode on CPU, 4 threads`,
+    `dali, decode on GPU`, `synthetic`."""
+    threads = f"{workers} thread{'' if workers == 1 else 's'}"
+    if loader == "dali":
+        return "dali, decode on GPU" if dali_decodes_on_gpu(decode, device) else f"dali, decode on CPU, {threads}"
+    return f"torch, {threads}" if loader == "torch" else loader
+
+
+def default_batch(device: torch.device, precision: str, image_size: int, arch: str) -> tuple[int, str]:
+    """(the per-rank batch when neither --batch-size nor --global-batch-size is given, and for the header
+    why): on a GPU the largest power of two up to 256 that fits its memory, on a CPU 256."""
+    if device.type != "cuda":
+        return DEFAULT_PER_RANK_BATCH, ""
+    from train.plan.model import fitting_power_of_two, parameter_count
+    memory = torch.cuda.get_device_properties(device).total_memory
+    batch = fitting_power_of_two(memory, parameter_count(arch), image_size, precision, DEFAULT_PER_RANK_BATCH)
+    if not batch:
+        raise UsageError(f"not one image of {image_size} px fits the {memory / 2 ** 30:.0f} GiB of this GPU by the "
+                         "planner's memory model; give --batch-size")
+    return batch, (f"batch {batch} per GPU: the largest power of two up to {DEFAULT_PER_RANK_BATCH} whose {precision} step "
+                   f"fits its {memory / 2 ** 30:.0f} GiB")
