@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
-# GPU checks, for a machine with one CUDA GPU: the tests marked `gpu`, then one-GPU ResNet-50
-# training throughput (synthetic loader, 224 px, bf16 at per-GPU batches 16, 32, 64, 128, 256 and
-# fp16 at 256: the planner's calibration, also written as gpu_calibration.yaml in the form of
-# train/plan/calibration.yaml's `measured:` list), the torch loader with pinned memory feeding the
-# same training step on generated JPEGs (against the synthetic loader at that batch), and the
-# LARS step against SGD (scripts/bench/lars_step.py on the GPU, eager and compiled).
+# GPU checks, for a machine with one CUDA GPU, in one command that ends within 8 minutes: the tests
+# marked `gpu`, then scripts/gpu_figures.py: one-GPU ResNet-50 training images/s at the default
+# per-GPU batch for bf16 (from compute capability 8.0), fp16 and fp32/TF32, on synthetic data and
+# through DALI decoding generated JPEGs; --compile in its default mode for the default precision (step
+# time against eager, compile time); every run's steps under torch.cuda.set_sync_debug_mode("error")
+# from the third on (a step that waits for the GPU fails its run and names the line); peak memory per
+# image; the ghost BatchNorm step against plain BatchNorm; the planner's images/s beside the measured;
+# published anchors. A table on stdout and in gpu_figures.txt, the figures in gpu_figures.json.
 # Uses the machine's own python3 and torch (PYTHON=... for another). Packages it lacks come from
 # .whl/ (scripts/gpu_wheels.sh fills it where PyPI is reachable), installed without network.
-# Writes to ${OUT:-gpu_figures}/: gpu_figures.txt (one line per gpu test with its outcome, then
-# the figures), gpu_calibration.yaml, gpu_tests.xml and gpu_tests.log (pytest's). Under 10 minutes.
+# Writes to ${OUT:-gpu_figures}/: gpu_figures.txt (one line per gpu test with its outcome, then the
+# figures), gpu_figures.json, gpu_calibration.yaml (the default precision's point, in the form of
+# train/plan/calibration.yaml's `measured:` list), gpu_tests.xml and gpu_tests.log (pytest's).
 # A gpu test skipped because DALI is not installed is reported as `DALI absent`, never as a pass;
 # any other skip fails the check, since CUDA is there.
-# Exit: 0 all passed; 1 a gpu test failed or was skipped, or a timed run failed;
+# Exit: 0 all passed; 1 a gpu test failed or was skipped, or a run failed (its sync check included);
 #       2 nothing checked: no CUDA GPU visible, no torch, or mlperf-logging neither there nor in .whl/.
 #   bash scripts/gpu_check.sh --report JUNIT.xml   only the per-test report of a pytest JUnit file
 set -uo pipefail
@@ -59,7 +62,7 @@ cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_figures}
 mkdir -p "$OUT"
 figures="$OUT/gpu_figures.txt"
-DEADLINE=$((SECONDS + 570))  # the whole check stays under 10 minutes, whatever hangs
+DEADLINE=$((SECONDS + 470))  # the whole check stays under 8 minutes, whatever hangs
 budget() { local left=$((DEADLINE - SECONDS)); left=$((left < $1 ? left : $1)); echo $((left > 1 ? left : 1)); }
 note() { echo "$*" | tee -a "$figures"; }
 fail_setup() { echo "error: $*" | tee -a "$figures" >&2; exit 2; }
@@ -124,7 +127,7 @@ PYEOF
 # The gpu tests, one line each in the figures from pytest's JUnit report.
 junit="$OUT/gpu_tests.xml"
 rm -f "$junit"
-timeout -k 10 "$(budget 240)" "$PY" -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$junit" tests \
+timeout -k 10 "$(budget 150)" "$PY" -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$junit" tests \
     >"$OUT/gpu_tests.log" 2>&1
 pytest_rc=$?
 report_tests "$junit" | tee -a "$figures"
@@ -134,94 +137,31 @@ if [ "$pytest_rc" -ne 0 ]; then
     tests_rc=1
 fi
 
-runs=$(mktemp -d)
+# the figures: every run in one process (scripts/gpu_figures.py), stopped in time for the summary
 runs_rc=0
-calibration="$OUT/gpu_calibration.yaml"
-gpu_name=$(timeout 60 "$PY" -c "
-import torch
-name = torch.cuda.get_device_name(0).lower()
-print(next((g for g in ('h200', 'h100', 'a100', 'v100') if g in name), 'unknown'))")
-echo "measured:  # scripts/gpu_check.sh $(date -u +%F) on $gpu_name; into train/plan/calibration.yaml" >"$calibration"
-
-steady_rate() {  # RUN_DIR: training images/s after the first logging window (cuDNN autotuning, warm-up)
-    timeout 60 "$PY" - "$1" <<'PYEOF'
-import json, sys
-from pathlib import Path
-windows = [json.loads(l) for l in (Path(sys.argv[1]) / "metrics.jsonl").read_text().splitlines()]
-windows = [w for w in windows if w["kind"] == "train"]
-first, last = windows[0], windows[-1]
-print(f"{(last['images'] - first['images']) / (last['seconds'] - first['seconds']):.0f}")
+figures_left=$(budget 400)
+if [ "$figures_left" -lt 60 ]; then
+    note "gpu figures: not run, the 8-minute budget is spent"
+    runs_rc=1
+else
+    timeout -k 10 "$figures_left" "$PY" scripts/gpu_figures.py --out "$OUT/figures" --deadline-s $((figures_left - 60)) \
+        >"$OUT/gpu_figures.log" 2>&1
+    runs_rc=$?
+    grep -v '^{' "$OUT/gpu_figures.log" | tail -n 30 | tee -a "$figures"
+    cp "$OUT/figures/gpu_figures.json" "$OUT/gpu_figures.json" 2>/dev/null || { note "gpu figures: no JSON written"; runs_rc=1; }
+fi
+"$PY" - "$OUT/gpu_figures.json" >"$OUT/gpu_calibration.yaml" 2>/dev/null <<'PYEOF'
+import json, sys, datetime
+figures = json.load(open(sys.argv[1]))
+gpu = next((g for g in ("h200", "h100", "a100", "v100") if g in figures["gpu"].lower()), "unknown")
+run = next(r for r in figures["runs"] if r["run"] == "synthetic " + figures["default_precision"] and "img_per_s" in r)
+print(f"measured:  # scripts/gpu_check.sh {datetime.date.today()} on {figures['gpu']}; into train/plan/calibration.yaml")
+print(f"  - {{gpu: {gpu}, per_gpu_batch: {run['batch']}, img_per_s: {run['img_per_s']}, "
+      f"source: \"gpu_check {datetime.date.today()}, {figures['default_precision']}\"}}")
 PYEOF
-}
-
-timed_run() {  # LABEL LIMIT TRAIN-ARGS...: a short training run; prints its steady images/s into $rate
-    local label=$1 limit run="$runs/run$RANDOM"
-    limit=$(budget "$2")
-    shift 2
-    rate=""
-    if [ "$limit" -lt 30 ]; then
-        note "$label: not run, the 10-minute budget is spent"
-        runs_rc=1
-        return
-    fi
-    # -k: the trainer takes SIGTERM as preemption and checkpoints first; don't wait for that long
-    timeout -k 10 "$limit" "$PY" -m train --out-dir "$run" --arch resnet50 --image-size 224 --global-batch-size 0 \
-        --eval-every 0 --log-every 20 "$@" >"$run.log" 2>&1
-    local rc=$?
-    if [ "$rc" -ne 0 ]; then
-        note "$label: run failed (exit $rc), last lines:"
-        tail -n 3 "$run.log" | tee -a "$figures"
-        runs_rc=1
-        return
-    fi
-    rate=$(steady_rate "$run") || runs_rc=1
-}
-
-# one-GPU throughput by per-GPU batch: what the planner's compute model needs
-declare -A synthetic_rate
-for case in bf16:16 bf16:32 bf16:64 bf16:128 bf16:256 fp16:256; do
-    precision=${case%%:*} batch=${case##*:}
-    timed_run "resnet50 224px $precision batch $batch" 120 --loader synthetic --batch-size "$batch" \
-        --precision "$precision" --synthetic-images 10000000 --max-steps 120 --workers 0
-    [ -n "$rate" ] || continue
-    note "resnet50 224px $precision batch $batch: $rate img/s"
-    synthetic_rate[$case]=$rate
-    if [ "$precision" = bf16 ]; then
-        echo "  - {gpu: $gpu_name, per_gpu_batch: $batch, img_per_s: $rate, source: \"gpu_check $(date -u +%F), bf16\"}" \
-            >>"$calibration"
-    fi
-done
-
-# the torch loader (worker threads, pinned uint8 batches normalised on the GPU) feeding the same step
-tree="$runs/jpegs"
-if timeout "$(budget 90)" "$PY" -c "
-import sys; from pathlib import Path
-sys.path.insert(0, 'scripts/bench')
-from loader import make_tree
-make_tree(Path('$tree'), 3072)" >"$runs/tree.log" 2>&1; then
-    timed_run "torch loader bf16 batch 256" 150 --loader torch --data-dir "$tree" --batch-size 256 \
-        --precision bf16 --epochs 4 --workers "$(nproc)"
-    if [ -n "$rate" ]; then
-        note "torch loader ($(nproc) threads, pinned memory) bf16 batch 256: $rate img/s, $(awk -v a="$rate" \
-            -v b="${synthetic_rate[bf16:256]:-0}" 'BEGIN { if (b > 0) printf "%.2f", a / b; else print "?" }') x synthetic"
-    fi
-else
-    note "torch loader: could not make the JPEG tree: $(tail -n 1 "$runs/tree.log")"
-    runs_rc=1
-fi
-
-# the LARS step against SGD on the GPU, eager and compiled (its compile time printed)
-limit=$(budget 150)
-if timeout -k 10 "$limit" "$PY" scripts/bench/lars_step.py --device cuda >"$runs/lars.log" 2>&1; then
-    grep -v "^W" "$runs/lars.log" | tail -n 3 | tee -a "$figures"
-else
-    note "lars_step on the GPU failed or timed out ($limit s): $(tail -n 1 "$runs/lars.log")"
-    runs_rc=1
-fi
-rm -rf "$runs"
 
 if [ "$tests_rc" -ne 0 ] || [ "$runs_rc" -ne 0 ]; then
-    note "gpu_check: FAIL (tests $([ "$tests_rc" -eq 0 ] && echo ok || echo failed), timed runs $([ "$runs_rc" -eq 0 ] && echo ok || echo failed)) after ${SECONDS} s"
+    note "gpu_check: FAIL (tests $([ "$tests_rc" -eq 0 ] && echo ok || echo failed), figures $([ "$runs_rc" -eq 0 ] && echo ok || echo "failed: $OUT/gpu_figures.log")) after ${SECONDS} s"
     exit 1
 fi
 note "gpu_check: ok after ${SECONDS} s"

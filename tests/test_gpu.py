@@ -39,22 +39,38 @@ def test_mixed_precision_channels_last_on_gpu(tmp_path, precision):
 
 @pytest.mark.gpu
 @needs_cuda
-def test_fp16_loss_scaler_skips_overflowing_steps():
+@pytest.mark.parametrize("optimizer", ["lars", "sgd", "rmsprop-warmup"])
+def test_fp16_loss_scaler_skips_overflowing_steps_on_the_device(optimizer):
+    """The GPU twin of tests/test_host_reads.py's: the step unscales and skips by itself, and neither
+    the step nor the scaler's update waits for the GPU (torch's sync debug mode raises if one does)."""
+    from types import SimpleNamespace
+    from train.optim import OPTIMIZERS
     from train.precision import Precision
     device = torch.device("cuda")
     precision = Precision("fp16", device)
-    w = torch.nn.Parameter(torch.ones(4, device=device))
-    opt = torch.optim.SGD([w], lr=1.0)
-    precision.backward((w * float("inf")).sum())
-    precision.step(opt)  # overflow: the step must be skipped
-    assert torch.equal(w.detach(), torch.ones(4, device=device))
+    model = torch.nn.Linear(4, 4).to(device)
+    settings = SimpleNamespace(momentum=0.9, weight_decay=1e-4, nesterov=False, lars_eta=0.001, lars_epsilon=0.0,
+                               lars_compile=False, rmsprop_alpha=0.99, rmsprop_epsilon=1e-8, rmsprop_lr_ratio=0.01)
+    opt = OPTIMIZERS[optimizer](settings, model, 0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        precision.backward(model(torch.ones(2, 4, device=device)).sum() * float("inf"))
+        precision.step(opt)  # overflow: skipped, on the device
+        opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
     assert precision.scaler.get_scale() < 65536.0
+    precision.backward(model(torch.ones(2, 4, device=device)).sum())
+    precision.step(opt)
+    assert not any(torch.equal(a, p) for a, p in zip(before, model.parameters()))
 
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("precision", ["auto", "fp16"])
-def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path, precision):
+@pytest.mark.parametrize("precision, decode", [("auto", "auto"), ("fp16", "auto"), ("auto", "cpu")])
+def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path, precision, decode):
     """The GPU twin of test_dali.py's CPU comparison: nvJPEG ('mixed') against the torch loader's
     pinned uint8 batches, both normalised on the GPU."""
     require_dali()
@@ -64,7 +80,7 @@ def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path, 
     from data.torch_loader import TorchLoader
     from train.config import Config
     root = ensure_embedded(train_per_class=4, val_per_class=3, root=tmp_path)
-    cfg = Config(data_dir=str(root), image_size=64, batch_size=8, workers=2, precision=precision)
+    cfg = Config(data_dir=str(root), image_size=64, batch_size=8, workers=2, precision=precision, dali_decode=decode)
     device = torch.device("cuda", 0)
     dali, torch_loader = (kind(cfg, check_tree(str(root)), 0, 1, device) for kind in (DaliLoader, TorchLoader))
     std_255 = torch.tensor([0.229, 0.224, 0.225], device=device).view(1, 3, 1, 1) * 255
