@@ -47,7 +47,8 @@ class Horovod(Topology):
             # the two-level optimizer: horovod_hierarchical)
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         if not self.elastic:  # (elastic: Horovod's own timeouts drive its recovery; left as they are)
-            set_library_timeouts(collective_timeout())  # gloo's, as a backstop (train/engines/network.py)
+            # gloo's and the stall inspector's, as a backstop (train/engines/network.py); read by hvd.init()
+            set_library_timeouts(collective_timeout())
         hvd.init()
         self.rejoin()
 

@@ -37,8 +37,9 @@ class TorchDistributed(Topology):
         env.setdefault("MASTER_PORT", "29500")
         self.device = local_device(local_rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        # the backstop; the watchdog (train/engines/network.py) ends a wait at TRAINER_COLLECTIVE_TIMEOUT_S
-        timeout = datetime.timedelta(seconds=set_library_timeouts(collective_timeout()))
+        # the backstop; the watchdog (train/engines/network.py) ends a wait at TRAINER_COLLECTIVE_TIMEOUT_S.
+        # Every group gets it: new_group's own default is torch's (30 minutes on gloo, 10 on NCCL)
+        self._timeout = timeout = datetime.timedelta(seconds=set_library_timeouts(collective_timeout()))
         watch = watch_refusals(self.rank)  # a rank on another node may refuse to start (torchrun)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                 device_id=self.device if backend == "nccl" else None)
@@ -54,7 +55,7 @@ class TorchDistributed(Topology):
         in the same order (a torch.distributed rule): callers walk whole lists of groups."""
         key = tuple(ranks)
         if key not in self._groups:
-            self._groups[key] = self.dist.new_group(list(key))
+            self._groups[key] = self.dist.new_group(list(key), timeout=self._timeout)
         return self._groups[key]
 
     @staticmethod
@@ -100,7 +101,7 @@ class TorchDistributed(Topology):
         _, lines, columns = self._two_level_grid()
         for ranks in lines + columns:
             if len(ranks) > 1 and ("later", ranks) not in self._groups:
-                self._groups[("later", ranks)] = self.dist.new_group(list(ranks))
+                self._groups[("later", ranks)] = self.dist.new_group(list(ranks), timeout=self._timeout)
 
         def groups(which: int, later: bool) -> list:
             """Per route, the group of its scatter (0) or reduce (1) ranks: step 1's, or the second one."""
