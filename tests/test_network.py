@@ -1,6 +1,7 @@
 """The network settings on one host (their multi-node twins: tests/test_multinode*.py): TRAINER_IFACE
 handed to every library or refused with the host's interfaces, TRAINER_COLLECTIVE_TIMEOUT_S's
-watchdog naming who stopped answering, and the nodes taken from the ranks' host names."""
+watchdog naming who stopped answering and its backstop in every library (every torch process group's:
+tests/test_wire.py), and the nodes taken from the ranks' host names."""
 import os
 import signal
 import socket
@@ -8,8 +9,10 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
+import torch
 
 from helpers import REPO, child_env, run_train
 from train.config import Config
@@ -36,6 +39,43 @@ def test_the_settings_go_to_the_environment_of_the_moment(monkeypatch):
     assert use_interface() == "lo" and set_library_timeouts(20) == 50
     assert os.environ["GLOO_SOCKET_IFNAME"] == "lo" and os.environ["HOROVOD_GLOO_TIMEOUT_SECONDS"] == "50"
     assert "HOROVOD_GLOO_TIMEOUT_SECONDS" not in real and real.get("GLOO_SOCKET_IFNAME") != "lo"
+
+
+HUNG_COLLECTIVE_BOUNDS = ("HOROVOD_GLOO_TIMEOUT_SECONDS", "HOROVOD_STALL_CHECK_TIME_SECONDS",
+                          "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", "TORCH_NCCL_ASYNC_ERROR_HANDLING")
+
+
+def test_every_library_gets_the_backstop():
+    env = {}
+    assert set_library_timeouts(300, env) == 330
+    assert env == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "330", "HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
+                   "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "330", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
+    env = {}
+    set_library_timeouts(20, env)  # Horovod never shuts down on a shutdown time below its check time
+    assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "50"
+
+
+def test_the_users_own_settings_are_kept():
+    env = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "600", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    set_library_timeouts(300, env)
+    assert env["HOROVOD_STALL_CHECK_TIME_SECONDS"] == env["HOROVOD_STALL_SHUTDOWN_TIME_SECONDS"] == "600"
+    assert env["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"
+
+
+def test_horovod_has_its_bounds_before_init(monkeypatch):
+    """Horovod reads them in hvd.init() only (a stand-in for horovod.torch records them there)."""
+    from train.engines import horovod as horovod_engine
+    seen = {}
+    hvd = types.SimpleNamespace(nccl_built=lambda: 0, rank=lambda: 0, size=lambda: 1, local_rank=lambda: 0,
+                                allgather_object=lambda obj: [obj],
+                                init=lambda: seen.update({k: os.environ.get(k) for k in HUNG_COLLECTIVE_BOUNDS}))
+    monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
+    environ = {k: v for k, v in os.environ.items() if k not in HUNG_COLLECTIVE_BOUNDS}
+    monkeypatch.setattr(os, "environ", {**environ, "OMP_NUM_THREADS": "1", "TRAINER_COLLECTIVE_TIMEOUT_S": "40"})
+    monkeypatch.setattr(horovod_engine, "local_device", lambda local_rank: torch.device("cpu"))
+    horovod_engine.Horovod(Config(engine="horovod"))
+    assert seen == {"HOROVOD_GLOO_TIMEOUT_SECONDS": "70", "HOROVOD_STALL_CHECK_TIME_SECONDS": "60",
+                    "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "70", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "3"}
 
 
 def test_no_interface_named_changes_nothing():

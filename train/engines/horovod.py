@@ -13,6 +13,7 @@ import torch
 from train.engines.launch import local_device
 from train.engines.network import collective_timeout, set_library_timeouts
 from train.engines.topology import Topology
+from train.engines.wire import choose as choose_wire, into_wire, split_average
 from train.errors import UsageError
 
 
@@ -47,7 +48,8 @@ class Horovod(Topology):
             # the two-level optimizer: horovod_hierarchical)
             os.environ["HOROVOD_HIERARCHICAL_ALLREDUCE"] = "1"
         if not self.elastic:  # (elastic: Horovod's own timeouts drive its recovery; left as they are)
-            set_library_timeouts(collective_timeout())  # gloo's, as a backstop (train/engines/network.py)
+            # gloo's and the stall inspector's, as a backstop (train/engines/network.py); read by hvd.init()
+            set_library_timeouts(collective_timeout())
         hvd.init()
         self.rejoin()
 
@@ -72,6 +74,15 @@ class Horovod(Topology):
             self._groups[key] = self.hvd.add_process_set(list(key))
         return self._groups[key]
 
+    def _wire(self):
+        """--fp16-allreduce's wire (train/engines/wire.py): Horovod refuses bf16 tensors, so a bf16
+        run sends fp32."""
+        return choose_wire(self.cfg, self.device, sends_bf16=False)
+
+    @property
+    def wire_note(self) -> str | None:
+        return self._wire().note
+
     def _differentiable_sum(self, process_set):
         hvd, device = self.hvd, self.device
         if device.type == "cpu":  # asleep while it waits (horovod_result; docs/allreduce.md has the figures)
@@ -92,10 +103,13 @@ class Horovod(Topology):
                                       self.world_size // hvd.local_size())
         if self.cfg.allreduce == "torus" or (self.cfg.allreduce == "hierarchical" and not native):
             return model, TwoLevelHorovodOptimizer(optimizer, self, self._two_level_routes(), list(model.parameters()))
-        # flat, or hierarchical as Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE (set before hvd.init())
-        compression = _contiguous(hvd.Compression.fp16 if self.cfg.fp16_allreduce else hvd.Compression.none)
+        # flat, or hierarchical as Horovod's own HOROVOD_HIERARCHICAL_ALLREDUCE (set before hvd.init()).
+        # fp16 wire: a sum, the average split around it by the compressor; otherwise Horovod's average
+        # (the fp32 sum, then a division)
+        half = self._wire().dtype is not None
+        compression = _contiguous(_HalfWire(self) if half else hvd.Compression.none)
         distributed = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                               compression=compression, op=hvd.Average)
+                                               compression=compression, op=hvd.Sum if half else hvd.Average)
         # Horovod's optimizer is a new one over the same parameters, with empty state: a resumed run's
         # momentum (and a broadcast one) would be lost without this
         distributed.load_state_dict(optimizer.state_dict())
@@ -161,6 +175,26 @@ def horovod_hierarchical(nccl_built, mpi_enabled: bool, device_type: str, nodes:
     CUDA, over more than one node (Horovod's nodes: its local size, the real hosts). Elsewhere Horovod
     ignores the variable: one node, or gloo (its NCCL hierarchical all-reduce is an MPI operation)."""
     return bool(nccl_built) and bool(mpi_enabled) and device_type == "cuda" and nodes > 1
+
+
+class _HalfWire:
+    """A Horovod compressor for the fp16 wire, with op Sum: the gradient x 2^-k rounded once into fp16,
+    and the sum back in the gradient's type divided by p / 2^k (train/engines/wire.py). The rank count
+    is the engine's at the time (it changes between steps under Horovod Elastic)."""
+
+    def __init__(self, engine: "Horovod"):
+        self.engine = engine
+
+    def compress(self, tensor):
+        factor, divisor = split_average(self.engine.world_size)
+        message = tensor.new_empty(tensor.shape, dtype=torch.float16)
+        into_wire(tensor, factor, message)
+        return message, (tensor.dtype, divisor)
+
+    @staticmethod
+    def decompress(tensor, ctx):
+        dtype, divisor = ctx
+        return tensor.to(dtype).div_(divisor)
 
 
 def _contiguous(compression):
@@ -266,6 +300,9 @@ class TwoLevelHorovodOptimizer:
     def __init__(self, optimizer, engine: Horovod, routes: list[tuple[tuple, tuple]], params=None,
                  bucket_elements: int = _TWO_LEVEL_BUCKET):
         self.optimizer, self.engine, self.routes, self.hvd = optimizer, engine, routes, engine.hvd
+        # --fp16-allreduce's wire (None: the gradients' type), and the average split around the sums
+        # (x 2^-k into the message, / p / 2^k out of it: wire.py), on every wire alike
+        self.wire, (self.factor, self.divisor) = engine._wire().dtype, split_average(engine.world_size)
         self._skip_synchronize = False
         mine = [p for group in optimizer.param_groups for p in group["params"]]
         known = {id(p) for p in mine}
@@ -332,16 +369,16 @@ class TwoLevelHorovodOptimizer:
             bucket.step, bucket.ready = None, 0
 
     def _start(self, bucket: _Bucket) -> None:
-        """The bucket's gradients into its message (fp16 with --fp16-allreduce), each part into its padded
+        """The bucket's gradients x 2^-k into its message (in the wire's type), each part into its padded
         buffer (the padding stays zero: sums of zeros): issue step 1."""
-        bucket.buffers(self.routes, torch.float16 if self.engine.cfg.fp16_allreduce else bucket.params[0].dtype)
+        bucket.buffers(self.routes, self.wire or bucket.params[0].dtype)
         offset = 0
         for p in bucket.params:
             into = bucket.flat[offset:offset + p.numel()].view(p.shape)
             if p.grad is None:
                 into.zero_()
             else:
-                into.copy_(p.grad)
+                into_wire(p.grad, self.factor, into)
             offset += p.numel()
         for whole, part in zip(bucket.padded, bucket.parts):
             whole[:part.numel()].copy_(part)
@@ -379,7 +416,7 @@ class TwoLevelHorovodOptimizer:
                 part.copy_(gathered[:part.numel()])
             offset = 0
             for p in bucket.params:
-                if p.grad is not None:  # divided after --fp16-allreduce's message is back in the gradient's type
-                    p.grad.copy_(bucket.flat[offset:offset + p.numel()].view(p.shape)).div_(self.engine.world_size)
+                if p.grad is not None:  # divided once the message is back in the gradient's type
+                    p.grad.copy_(bucket.flat[offset:offset + p.numel()].view(p.shape)).div_(self.divisor)
                 offset += p.numel()
             bucket.step, bucket.flight = len(_STEPS), []

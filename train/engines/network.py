@@ -10,7 +10,8 @@ TRAINER_COLLECTIVE_TIMEOUT_S (default 300) bounds a wait on the other ranks. A w
 (a step's gradient all-reduce, or an agreement on the host) for longer, with one line saying which
 ranks stopped answering: each rank listens on a TCP port of its collectives' address, and the watchdog
 tries to reach every other rank's at that moment. The libraries' own timeouts are set a little longer,
-as a backstop for the waits outside (start-up).
+as a backstop for the waits outside (start-up) and for what the host does not wait on (NCCL runs
+collectives on the GPU while the host goes on): every process group's, gloo's, Horovod's stall inspector.
 
 A rank that refuses to start under torchrun tells the others through the rendezvous store: torchrun's
 agents do not stop each other's workers, so the ranks on other nodes would wait for it until the
@@ -68,10 +69,23 @@ def use_interface(env=None) -> str | None:
 
 
 def set_library_timeouts(seconds: float, env=None) -> float:
-    """The libraries' own timeouts (the backstop), in seconds: torch's is passed to its process groups."""
+    """The libraries' own timeouts (the backstop), in seconds, set before the libraries start (a value
+    already in the environment is kept): torch's is returned, for every process group the engine makes;
+    Horovod reads its variables in hvd.init(). What ends a hung collective where: docs/cluster.md.
+    - gloo under Horovod (its process sets take the global context's timeout);
+    - Horovod's stall inspector, which shuts Horovod down when some ranks have submitted an operation
+      and others have not for that long; it looks every HOROVOD_STALL_CHECK_TIME_SECONDS (default 60;
+      at most the shutdown time: Horovod 0.28.1 never shuts down on a shutdown time below it);
+    - torch's NCCL process groups: TORCH_NCCL_ASYNC_ERROR_HANDLING=3, a collective past its group's
+      timeout ends the process (without aborting the communicator first, which can hang itself). That
+      is torch's default; set, it also outranks a deprecated NCCL_ASYNC_ERROR_HANDLING=0 left in the
+      environment, which would leave the job hanging."""
     env = os.environ if env is None else env
     backstop = seconds + BACKSTOP_S
     env.setdefault("HOROVOD_GLOO_TIMEOUT_SECONDS", str(int(backstop)))
+    check = env.setdefault("HOROVOD_STALL_CHECK_TIME_SECONDS", str(int(min(60, backstop))))
+    env.setdefault("HOROVOD_STALL_SHUTDOWN_TIME_SECONDS", str(max(int(backstop), int(check) if check.isdigit() else 0)))
+    env.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
     return backstop
 
 

@@ -6,6 +6,7 @@ import torch
 
 from models.batchnorm import convert_batchnorm
 from train.engines.launch import local_device
+from train.engines.wire import NOT_ON_ONE_PROCESS
 
 
 class SingleProcess:
@@ -13,6 +14,7 @@ class SingleProcess:
     elastic = False
 
     def __init__(self, cfg, launch=None):
+        self.wire_note = NOT_ON_ONE_PROCESS if cfg.fp16_allreduce else None  # (for the run's output)
         self.rank, self.world_size, self.local_rank, self.local_size = 0, 1, 0, 1
         self.hosts = [socket.gethostname()]
         self.device = local_device(0)

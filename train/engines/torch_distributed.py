@@ -11,6 +11,7 @@ import torch
 from train.engines.launch import detect_launch, local_device
 from train.engines.network import collective_timeout, set_library_timeouts, watch_refusals
 from train.engines.topology import Topology
+from train.engines.wire import choose as choose_wire, into_wire, split_average
 from train.errors import UsageError
 
 
@@ -37,8 +38,9 @@ class TorchDistributed(Topology):
         env.setdefault("MASTER_PORT", "29500")
         self.device = local_device(local_rank)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
-        # the backstop; the watchdog (train/engines/network.py) ends a wait at TRAINER_COLLECTIVE_TIMEOUT_S
-        timeout = datetime.timedelta(seconds=set_library_timeouts(collective_timeout()))
+        # the backstop; the watchdog (train/engines/network.py) ends a wait at TRAINER_COLLECTIVE_TIMEOUT_S.
+        # Every group gets it: new_group's own default is torch's (30 minutes on gloo, 10 on NCCL)
+        self._timeout = timeout = datetime.timedelta(seconds=set_library_timeouts(collective_timeout()))
         watch = watch_refusals(self.rank)  # a rank on another node may refuse to start (torchrun)
         dist.init_process_group(backend, rank=self.rank, world_size=self.world_size, timeout=timeout,
                                 device_id=self.device if backend == "nccl" else None)
@@ -54,8 +56,16 @@ class TorchDistributed(Topology):
         in the same order (a torch.distributed rule): callers walk whole lists of groups."""
         key = tuple(ranks)
         if key not in self._groups:
-            self._groups[key] = self.dist.new_group(list(key))
+            self._groups[key] = self.dist.new_group(list(key), timeout=self._timeout)
         return self._groups[key]
+
+    def _wire(self):
+        """--fp16-allreduce's wire (train/engines/wire.py): torch.distributed sends bf16 too."""
+        return choose_wire(self.cfg, self.device, sends_bf16=True)
+
+    @property
+    def wire_note(self) -> str | None:
+        return self._wire().note
 
     @staticmethod
     def _differentiable_sum(group):
@@ -75,11 +85,11 @@ class TorchDistributed(Topology):
                 kwargs["init_sync"] = False
         ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
                                       gradient_as_bucket_view=True, **kwargs)
+        wire = self._wire().dtype
         if self.cfg.allreduce != "flat":
             ddp.register_comm_hook(self._two_level_state(), self._two_level_hook)
-        elif self.cfg.fp16_allreduce:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        elif wire is not None:  # (otherwise DDP's own: divided by the rank count before the fp32 sum)
+            ddp.register_comm_hook((wire, *split_average(self.world_size)), self._half_wire_hook)
         state = [optimizer.state_dict()]
         self.dist.broadcast_object_list(state, src=0, group=self.control)
         optimizer.load_state_dict(state[0])
@@ -93,20 +103,32 @@ class TorchDistributed(Topology):
     def unwrap(self, model):
         return model.module
 
+    def _half_wire_hook(self, state: tuple, bucket):
+        """The flat all-reduce of one gradient bucket on --fp16-allreduce's wire, as a DDP comm hook
+        (state: the wire type, and split_average's factor and divisor): the bucket x 2^-k into the wire
+        type, summed over every rank, back into the bucket and divided by p / 2^k (wire.py says why)."""
+        dtype, factor, divisor = state
+        flat = bucket.buffer()
+        message = flat.new_empty(flat.shape, dtype=dtype)
+        into_wire(flat, factor, message)
+        summed = self.dist.all_reduce(message, async_op=True).get_future()
+        return summed.then(lambda done: flat.copy_(done.value()[0]).div_(divisor))
+
     def _two_level_state(self) -> "_TwoLevelHookState":
         """The hook's state: the routes, whose groups carry step 1, and a second group for every line and
-        column, for steps 2 and 3 (every rank creates every group, in the same order)."""
+        column, for steps 2 and 3 (every rank creates every group, in the same order); the wire."""
         routes = self._two_level_routes()
         _, lines, columns = self._two_level_grid()
         for ranks in lines + columns:
             if len(ranks) > 1 and ("later", ranks) not in self._groups:
-                self._groups[("later", ranks)] = self.dist.new_group(list(ranks))
+                self._groups[("later", ranks)] = self.dist.new_group(list(ranks), timeout=self._timeout)
 
         def groups(which: int, later: bool) -> list:
             """Per route, the group of its scatter (0) or reduce (1) ranks: step 1's, or the second one."""
             keys = [("later", route[which]) if later else route[which] for route in routes]
             return [self._groups[key] if len(route[which]) > 1 else None for key, route in zip(keys, routes)]
-        return _TwoLevelHookState(routes, [groups(0, False), groups(1, True), groups(0, True)])
+        return _TwoLevelHookState(routes, [groups(0, False), groups(1, True), groups(0, True)], self._wire().dtype,
+                                  split_average(self.world_size))
 
     def _two_level_hook(self, state: "_TwoLevelHookState", bucket):
         """Two-level all-reduce of one gradient bucket, as a DDP comm hook (state: _two_level_state).
@@ -115,15 +137,16 @@ class TorchDistributed(Topology):
         every part before any is chained on, so the torus's two directions are in flight together.
         Nothing waits here: step 1 is issued now, steps 2 and 3 by callbacks when the step before has
         completed (step 2 also after the previous bucket's step 3 was issued: _TwoLevelHookState), and
-        the returned future completes with the averaged bucket, so backward goes on meanwhile.
+        the returned future completes with the averaged bucket, so backward goes on meanwhile. The
+        average is split around the sums (x 2^-k into the parts, / p / 2^k at the end: wire.py), on
+        --fp16-allreduce's wire as on fp32.
         The reduce-scatter is an all-to-all of the part's chunks and a sum of the chunks received:
         gloo's reduce-scatter gives no future to chain on (Work::getFuture not implemented)."""
         flat = bucket.buffer()
         parts = flat.tensor_split(len(state.routes))
-        padded, inboxes, shards = state.scratch(bucket.index(), parts,
-                                                torch.float16 if self.cfg.fp16_allreduce else flat.dtype)
+        padded, inboxes, shards = state.scratch(bucket.index(), parts, state.wire or flat.dtype)
         for whole, part in zip(padded, parts):
-            whole[:part.numel()].copy_(part)  # the padding stays zero: sums of zeros
+            into_wire(part, state.factor, whole[:part.numel()])  # the padding stays zero: sums of zeros
         all_gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
         dist, (first, second, third) = self.dist, state.step_groups
         result = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
@@ -139,7 +162,7 @@ class TorchDistributed(Topology):
         def finish() -> None:
             for whole, part in zip(padded, parts):
                 part.copy_(whole[:part.numel()])
-            result.set_result(flat.div_(self.world_size))  # after --fp16-allreduce's parts are back in fp32
+            result.set_result(flat.div_(state.divisor))  # after the wire's parts are back in the gradients' type
 
         def gather() -> None:
             gathered = together(lambda i, group: all_gather(padded[i], shards[i], group=group, async_op=True), third)
@@ -202,10 +225,14 @@ class _TwoLevelHookState:
     gloo's threads. So step 1 goes on the groups the hook's thread uses (in bucket order, as DDP calls
     the hook on every rank; BatchNorm's span groups share them from the same thread), and steps 2 and
     3 on a second group per line and column, issued in one order on every rank: bucket i's step 2
-    waits for `issued`, which completes once bucket i-1's step 3 has been issued."""
+    waits for `issued`, which completes once bucket i-1's step 3 has been issued.
+    `wire`: --fp16-allreduce's wire type (None: the gradients' own); `average`: split_average's
+    factor before the sums and divisor after them."""
 
-    def __init__(self, routes: list[tuple[tuple, tuple]], step_groups: list[list]):
-        self.routes, self.step_groups = routes, step_groups
+    def __init__(self, routes: list[tuple[tuple, tuple]], step_groups: list[list], wire: torch.dtype | None,
+                 average: tuple[float, float]):
+        self.routes, self.step_groups, self.wire = routes, step_groups, wire
+        self.factor, self.divisor = average
         self.issued = torch.futures.Future()
         self.issued.set_result(None)  # no bucket before the first
         self._scratch = {}
