@@ -320,7 +320,9 @@ def test_fp16_wire_and_loss_scaling_on_two_ranks(engine, tmp_path):
     for rank in ranks:
         assert rank["fp32_worst"] <= 1e-6  # fp32 on the wire: the exact mean up to fp32 rounding
         assert rank["fp16_differs_from_fp32"] and rank["fp16_excess_over_bound"] <= 0
-        assert rank["skipped_overflow_step"], rank["rank"]
-        assert rank["scale_after_overflow"] == rank["scale_before"] / 2
-        assert rank["moved"] and rank["finite"]
+        for way in ("", "two_level_"):
+            assert rank[f"{way}skipped_overflow_step"], (way, rank["rank"])
+            assert rank[f"{way}scale_after_overflow"] == rank[f"{way}scale_before"] / 2
+            assert rank[f"{way}moved"] and rank[f"{way}finite"]
     assert ranks[0]["weights"] == ranks[1]["weights"]
+    assert ranks[0]["two_level_weights"] == ranks[1]["two_level_weights"]

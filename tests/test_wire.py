@@ -8,7 +8,7 @@ import types
 import pytest
 import torch
 
-from helpers import REPO, launch
+from helpers import REPO, launch, run_train
 from train.config import Config
 from train.engines import wire
 from train.engines.single import SingleProcess
@@ -63,6 +63,14 @@ def test_fp16_allreduce_on_one_process_says_it_does_nothing():
     assert SingleProcess(Config(fp16_allreduce=True)).wire_note == \
         "--fp16-allreduce does nothing on one process: there are no gradients to exchange"
     assert SingleProcess(Config()).wire_note is None
+
+
+def test_the_runs_output_says_it_once(tmp_path):
+    done = run_train("--out-dir", "run", "--fp16-allreduce", "--loader", "synthetic", "--arch", "resnet18",
+                     "--image-size", 16, "--synthetic-images", 16, "--batch-size", 4, "--max-steps", 1,
+                     "--eval-every", 0, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count(wire.NOT_ON_ONE_PROCESS) == 1
 
 
 TIMEOUT_S = 97  # TRAINER_COLLECTIVE_TIMEOUT_S for the launch: the groups' is 30 s more (network.BACKSTOP_S)

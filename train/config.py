@@ -73,7 +73,7 @@ class Config:
     allreduce: str = field(default="flat", metadata={"help": "hierarchical: reduce-scatter in the node, all-reduce across nodes, all-gather; torus: the same on a grid of --torus-rows, half of each bucket each way (docs/allreduce.md)"})
     ranks_per_node: int = field(default=0, metadata={"help": "node size for --allreduce hierarchical (0: ranks sharing a host name)"})
     torus_rows: int = field(default=0, metadata={"help": "--allreduce torus: ranks in one line of the grid, among which the reduce-scatter runs (0: the ranks per node)"})
-    fp16_allreduce: bool = field(default=False, metadata={"help": "send gradients as fp16 (Horovod fp16 compression / DDP fp16 hook)"})
+    fp16_allreduce: bool = field(default=False, metadata={"help": "send gradients in half precision: fp16 (bf16 in a bf16 run on torch.distributed; fp32 in a bf16 run on Horovod, which cannot send bf16), averaged so the sum keeps fp16's range (docs/allreduce.md)"})
     bn_span: int = field(default=1, metadata={"help": "BatchNorm statistics over groups of this many consecutive ranks"})
     stop_check_every: int = field(default=0, metadata={"help": "steps between the ranks' agreements on a stop signal (0: spaced by what they cost, at most 0.5 percent of the training time and 30 s of training apart; train/stopping.py)"})
     out_dir: str = field(default="", metadata={"help": "run directory (default: runs/<preset>-<time>)"})

@@ -175,6 +175,8 @@ class Training:
                        precision=self.precision.name, schedule=self.schedule)
         for line in self.setup.warnings:
             self.log.warning(line)
+        if engine.wire_note:  # (--fp16-allreduce where it does not simply send fp16)
+            self.log.print(engine.wire_note)
         if loader.empty_classes:
             self.log.warning(f"{len(loader.empty_classes)} class folder(s) hold no training images: "
                              f"{', '.join(loader.empty_classes[:5])}", kind="data", empty_classes=loader.empty_classes)

@@ -3,7 +3,8 @@
 1. Gradients sent as fp16 (--fp16-allreduce) against the exact mean of the ranks' own gradients
    (float64), next to the fp32 wire: both ranks' gradients are gathered so the bound is per element.
 2. fp16 loss scaling (TRAINER_ALLOW_CPU_FP16=1): rank 1's loss overflows in the first step; every
-   rank must skip that step together and halve its scale; the second step moves every rank alike.
+   rank must skip that step together and halve its scale; the second step moves every rank alike. Once
+   over the flat all-reduce, once over the two-level one (its own optimizer wrapper on Horovod).
 Each rank writes OUT_DIR/rank<r>.json.
 """
 import dataclasses
@@ -57,8 +58,8 @@ def wire_check(engine) -> dict:
             "fp16_differs_from_fp32": any(not torch.equal(a, b) for a, b in zip(fp32, fp16))}
 
 
-def loss_scaling_check(engine) -> dict:
-    engine.cfg = dataclasses.replace(engine.cfg, fp16_allreduce=False)
+def loss_scaling_check(engine, allreduce: str = "flat") -> dict:
+    engine.cfg = dataclasses.replace(engine.cfg, fp16_allreduce=False, allreduce=allreduce)
     model = small_model()
     model, optimizer = engine.wrap(model, LARS(lars_param_groups(model), lr=0.5, weight_decay=1e-4))
     precision = Precision("fp16", engine.device)
@@ -87,6 +88,10 @@ def main():
     engine_name, out_dir = sys.argv[1], Path(sys.argv[2])
     engine = create(Config(engine=engine_name, precision="fp16"))
     result = {"rank": engine.rank, **wire_check(engine), **loss_scaling_check(engine)}
+    # the two-level all-reduce wraps the optimizer (Horovod: TwoLevelHorovodOptimizer), which must hand
+    # the scaler's scale and overflow flag on to the optimizer that skips on the device
+    engine.cfg = dataclasses.replace(engine.cfg, allreduce="hierarchical")
+    result.update({f"two_level_{key}": value for key, value in loss_scaling_check(engine, "hierarchical").items()})
     (out_dir / f"rank{engine.rank}.json").write_text(json.dumps(result))
     engine.shutdown()
 
