@@ -1,29 +1,28 @@
 """Distributed and ghost BatchNorm: batch statistics summed over a group of ranks (the span), and
 optionally taken over groups of G consecutive images inside each rank's batch (ghost BatchNorm).
 
-One autograd Function for every engine and device, doing what BatchNorm2d's fused kernels do:
-per ghost group (a slice of the batch dimension: a contiguous view in NCHW and in channels_last),
-one pass for the statistics, then one all-reduce per layer for all groups together over the span
-(each rank's group means and mean squares; none for a span of 1), then one fused normalisation pass.
-The backward is alike: one pass for the gradient sums, one all-reduce of them (issued by the
-Function itself), one element-wise pass for the input gradient. The engine supplies the all-reduce
-(torch.distributed's functional collectives / Horovod); it is called outside autograd here, as a
-plain sum, in both directions. Statistics are fp32 whatever the input's dtype (bf16/fp16 under
-autocast); the output keeps the input's dtype and memory format.
+One autograd Function for every engine and device does what BatchNorm2d's fused kernels do, per
+ghost group (a slice of the batch dimension: a contiguous view in NCHW and in channels_last): one
+pass for the statistics, one all-reduce per layer for all the groups over the span (each rank's
+group means and mean squares; none for a span of 1), one normalisation pass. The backward is alike:
+one pass for the gradient sums, one all-reduce of them, one element-wise pass for the input gradient.
+The engine supplies the all-reduce (torch.distributed's functional collectives / Horovod); the
+Function calls it itself, as a plain sum, in both directions. Statistics are fp32 whatever the
+input's dtype (bf16/fp16 under autocast); the output keeps the input's dtype and memory format. No
+tensor value is read on the host.
 
-The kernels per device (docs/allreduce.md, "BatchNorm span and ghost groups"):
+The kernels per device (docs/batchnorm.md has the measurements behind the choices):
 - CUDA: SyncBatchNorm's, `torch.batch_norm_stats` / `batch_norm_elemt` forward and
   `batch_norm_backward_reduce` / `batch_norm_backward_elemt` backward, one call per ghost group.
-  SyncBatchNorm combines the ranks' statistics with an all-gather and
-  `batch_norm_gather_stats_with_counts`; a span all-reduces sums instead (the ranks' batches are
-  equal), and the ghost groups' running statistics follow their own rule, so the combination is a
-  few element-wise operations on [groups, C] tensors.
-- CPU (those kernels are CUDA-only): `torch.batch_norm_update_stats` for the statistics,
+  (SyncBatchNorm all-gathers the ranks' statistics for `batch_norm_gather_stats_with_counts`; the
+  span's ranks hold equal batches, so a sum carries the same, and the ghost groups' running
+  statistics follow their own rule: the combination is a few operations on [groups, C] tensors.)
+- CPU, where those are missing: `torch.batch_norm_update_stats` for the statistics,
   `torch.native_batch_norm` in evaluation mode with the batch's statistics for the normalisation,
   `native_batch_norm_backward` in evaluation mode for the gradient sums, and the input gradient as
-  two in-place multiply-adds over the whole batch (per-group coefficients broadcast over a
-  [groups, G, C, H, W] view). Measured against a copy that puts each group's images on the channel
-  axis so one kernel serves all groups: the copies cost more than the extra per-group calls.
+  two multiply-adds over the whole batch (per-group coefficients broadcast over a [groups, G, C, H, W]
+  view). A copy that puts each group's images on the channel axis, so that one call serves all the
+  groups, costs more than the extra calls.
 
 The module keeps BatchNorm2d's parameters and buffers, so state_dicts stay torchvision's.
 """
