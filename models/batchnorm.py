@@ -113,7 +113,7 @@ class _CudaKernels:
     def statistics(parts, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Each group's per-channel mean and biased variance, fp32 (also for bf16/fp16 inputs), one pass each."""
         mean, invstd = (torch.stack(column) for column in zip(*(torch.batch_norm_stats(part, eps) for part in parts)))
-        return mean, invstd.pow(-2) - eps
+        return mean, (invstd.pow(-2) - eps).clamp_min(0)  # (a variance near 0 may round below it)
 
     @staticmethod
     def normalise(parts, out_parts, weight, bias, mean, var, invstd, eps: float) -> None:
