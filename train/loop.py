@@ -9,6 +9,7 @@ the device between logging points; the only host syncs are at log points, epoch 
 """
 import dataclasses
 import gc
+import logging
 import platform
 import signal
 import sys
@@ -111,6 +112,9 @@ class Training:
             (weights, said), setup.init = setup.init, None  # (not held for the whole run once loaded)
             model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
             self.log.print(said)
+        if cfg.compile:  # in place, before the engine wraps it: class and state_dict keys stay (docs/compile.md)
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # (a GPU-less host with nvcc: "No CUDA runtime")
+            model.compile(mode=cfg.compile_mode)
         self.model, self.optimizer = engine.wrap(model, optimizer)
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
             self._resume()
@@ -159,7 +163,7 @@ class Training:
         header = (f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
                   f"{loader.train_images} train / {loader.val_images} val images | {where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch "
                   f"{cfg.batch_size} = global batch {cfg.global_batch_size}{f', then epochs:batch {cfg.batch_schedule}' if cfg.batch_schedule else ''} | {cfg.optimizer} lr {cfg.lr:g}, warmup "
-                  f"{cfg.warmup_epochs:g} epochs{f' ({note})' if note else ''} | {self.precision.name} on "
+                  f"{cfg.warmup_epochs:g} epochs{f' ({note})' if note else ''} | {self.precision.name}{f' compiled ({cfg.compile_mode})' if cfg.compile else ''} on "
                   f"{device.type}, {_count(torch.get_num_threads(), 'thread')} | {self.out_dir}")
         self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}",
                        train_images=loader.train_images, val_images=loader.val_images,
