@@ -41,7 +41,7 @@ def metrics_of(run_dir, kind: str) -> list[dict]:
     return [m for m in read_metrics(run_dir) if m["kind"] == kind]
 
 
-@pytest.mark.slow(seconds=100)
+@pytest.mark.slow(seconds=60)  # (45-55 s measured at load 2-3 on 2 cores, 95-135 s at load 7-9: the compiling)
 def test_a_compiled_run_trains_and_evaluates_as_the_eager_one(runs):
     root, results = runs
     assert any((root / "inductor").rglob("*.so"))  # Inductor built kernels: the model was compiled
