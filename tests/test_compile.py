@@ -22,14 +22,17 @@ def runs(tmp_path_factory):
     """An eager run and a compiled one of the same seed; Inductor's cache in the test's own folder
     (never the user's), where it also shows that the compiled run did compile."""
     root = tmp_path_factory.mktemp("compile")
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
     results = {}
     for name, flags in (("eager", []), ("compiled", ["--compile"])):
-        results[name] = run_train("--out-dir", name, *RUN, *flags, cwd=root, env=env)
+        results[name] = run_train("--out-dir", name, *RUN, *flags, cwd=root, env=inductor_cache(root))
         assert results[name].returncode == 0, results[name].stderr[-3000:]
         if name == "eager":
             assert not (root / "inductor").exists()  # (so what is there after the compiled run is its own)
     return root, results
+
+
+def inductor_cache(root) -> dict:
+    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
 
 
 def header_of(output: str) -> str:
@@ -69,7 +72,7 @@ def test_a_compiled_runs_checkpoint_is_an_eager_models(runs):
     model = build_model("resnet18", 10)
     model.load_state_dict(saved["model"])  # strict: key for key the plain model's
     assert saved["config"]["compile"] is True
-    tested = run_train("--test-only", "--out-dir", "compiled", cwd=root)
+    tested = run_train("--test-only", "--out-dir", "compiled", cwd=root, env=inductor_cache(root))
     assert tested.returncode == 0, tested.stderr[-3000:]
     evaluated = metrics_of(root / "compiled", "eval")[-1]
     assert tested.stdout.strip().splitlines()[-1] == \
@@ -81,7 +84,8 @@ def test_compile_is_a_speed_setting_not_part_of_the_run(runs):
     """The eager run's command started again with --compile is the same run (start-up checks that
     before anything else): the run is over, so nothing to do, not "a run with other settings"."""
     root, _ = runs
-    again = run_train("--out-dir", "eager", *RUN, "--compile", "--compile-mode", "reduce-overhead", cwd=root)
+    again = run_train("--out-dir", "eager", *RUN, "--compile", "--compile-mode", "reduce-overhead", cwd=root,
+                      env=inductor_cache(root))
     assert again.returncode == 0 and "eager holds a finished run" in again.stdout, again.stdout + again.stderr
 
 
