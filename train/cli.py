@@ -85,11 +85,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see python -m train --help")
 
 
+# torch.compile's modes (--compile-mode NAME); "default" is torch's default
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 def choices() -> dict[str, tuple]:
     """The names each choice setting takes, from the registries that serve them."""
     return {"loader": ("auto", *LOADERS), "dali_decode": ("auto", "cpu", "gpu"), "arch": tuple(ARCHS), "precision": PRECISIONS, "optimizer": tuple(OPTIMIZERS),
             "lr_schedule": tuple(SCHEDULES), "engine": ("auto", *ENGINES), "allreduce": ALLREDUCE,
-            "division": ("open", "closed")}
+            "division": ("open", "closed"), "compile_mode": COMPILE_MODES}
 
 
 class _HelpFormatter(argparse.HelpFormatter):

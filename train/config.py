@@ -30,6 +30,8 @@ class Config:
     arch: str = field(default="resnet50", metadata={"help": "a torchvision ResNet"})
     zero_init_residual: bool = field(default=True, metadata={"help": "zero the last BN gamma of every residual block"})
     channels_last: bool = field(default=True, metadata={"help": "NHWC memory format for model and batches"})
+    compile: bool = field(default=False, metadata={"help": "compile the model with torch.compile (fewer kernel launches at small per-GPU batches; the first step and the first evaluation compile; docs/compile.md)"})
+    compile_mode: str = field(default="default", metadata={"help": "torch.compile's mode for --compile: reduce-overhead and max-autotune replay CUDA graphs on a GPU (default: torch's own)"})
     bn_group_size: int = field(default=0, metadata={"help": "ghost BatchNorm: statistics over groups of this many images inside a rank's batch (0: the whole per-rank batch); with --bn-span S, group i of S ranks together"})
     bn_recompute_batches: int = field(default=0, metadata={"help": "BatchNorm without moving averages: before each evaluation, statistics recomputed over the last K training batches, averaged over all ranks (0: running averages)"})
     init_from_seed: bool = field(default=False, metadata={"help": "every rank builds the initial model from --seed instead of receiving rank 0's by broadcast (a checksum checks they agree)"})

@@ -9,6 +9,7 @@ the device between logging points; the only host syncs are at log points, epoch 
 """
 import dataclasses
 import gc
+import logging
 import platform
 import sys
 import time
@@ -113,6 +114,9 @@ class Training:
             (weights, said), setup.init = setup.init, None  # (not held for the whole run once loaded)
             model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
             self.log.print(said)
+        if cfg.compile:  # in place, before the engine wraps it: class and state_dict keys stay (docs/compile.md)
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # (a GPU-less host with nvcc: "No CUDA runtime")
+            model.compile(mode=cfg.compile_mode)
         self.model, self.optimizer = engine.wrap(model, optimizer)
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
             self._resume()
@@ -160,6 +164,7 @@ class Training:
         device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
         where, layout = node_summary(engine.hosts) if engine.hosts else ("", {})  # (Horovod Elastic: no hosts)
         batch_note, lr_note = (f" ({notes[key]})" if notes[key] else "" for key in ("batch", "lr"))
+        compiled = f" compiled ({cfg.compile_mode})" if cfg.compile else ""
         schedule = f", then epochs:batch {cfg.batch_schedule}" if cfg.batch_schedule else ""
         header = " | ".join([
             f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
@@ -167,7 +172,8 @@ class Training:
             f"{where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch {cfg.batch_size} = global "
             f"batch {cfg.global_batch_size}{batch_note}{schedule}",
             f"{cfg.optimizer} lr {cfg.lr:g}, warmup {cfg.warmup_epochs:g} epochs{lr_note}",
-            f"{self.precision.source}, {_count(torch.get_num_threads(), 'thread')}",  # (what the precision follows)
+            f"{self.precision.name}{compiled}{self.precision.source.removeprefix(self.precision.name)}, "
+            f"{_count(torch.get_num_threads(), 'thread')}",  # (what the precision follows)
             loader_summary(cfg.loader, cfg.dali_decode, cfg.workers, device),
             str(self.out_dir)])
         self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}",

@@ -1,0 +1,98 @@
+"""--compile: the model compiled in place by torch.compile trains and evaluates as the eager one does
+(same seed: the same losses and weights, to rounding), and its checkpoint is an eager model's
+(the same state_dict keys: no `_orig_mod.`), loadable by build_model and by --test-only.
+
+Compiling is slow on a CPU (Inductor runs a C++ compiler for its kernels), so the runs here are the
+smallest the trainer takes: ResNet-18 at 16 px, a global batch of 8, 3 steps, 16 validation images."""
+import pytest
+import torch
+
+from helpers import read_metrics, run_train
+from models import build_model
+from train.cli import COMPILE_MODES, parse
+from train.errors import UsageError
+
+RUN = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,
+       "--synthetic-val-images", 16, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 1,
+       "--max-steps", 3, "--log-every", 1, "--workers", 0, "--seed", 3]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """An eager run and a compiled one of the same seed; Inductor's cache in the test's own folder
+    (never the user's), where it also shows that the compiled run did compile."""
+    root = tmp_path_factory.mktemp("compile")
+    results = {}
+    for name, flags in (("eager", []), ("compiled", ["--compile"])):
+        results[name] = run_train("--out-dir", name, *RUN, *flags, cwd=root, env=inductor_cache(root))
+        assert results[name].returncode == 0, results[name].stderr[-3000:]
+        if name == "eager":
+            assert not (root / "inductor").exists()  # (so what is there after the compiled run is its own)
+    return root, results
+
+
+def inductor_cache(root) -> dict:
+    return {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor")}
+
+
+def header_of(output: str) -> str:
+    """The line the run starts with, which says what it trains and how."""
+    return next(line for line in output.splitlines() if line.startswith("training "))
+
+
+def metrics_of(run_dir, kind: str) -> list[dict]:
+    return [m for m in read_metrics(run_dir) if m["kind"] == kind]
+
+
+@pytest.mark.slow(seconds=60)  # (45-55 s measured at load 2-3 on 2 cores, 95-135 s at load 7-9: the compiling)
+def test_a_compiled_run_trains_and_evaluates_as_the_eager_one(runs):
+    root, results = runs
+    assert any((root / "inductor").rglob("*.so"))  # Inductor built kernels: the model was compiled
+    assert "| fp32 compiled (default) on cpu," in header_of(results["compiled"].stdout)
+    assert "| fp32 on cpu," in header_of(results["eager"].stdout)
+    assert results["compiled"].stderr.strip() == ""  # nothing printed for compiling on a CPU, no warnings
+    eager, compiled = (metrics_of(root / name, "train") for name in ("eager", "compiled"))
+    assert [m["step"] for m in compiled] == [1, 2, 3]
+    for ours, theirs in zip(compiled, eager, strict=True):  # per-step losses (the log's 5 decimals)
+        assert ours["loss"] == pytest.approx(theirs["loss"], abs=2e-5), (ours, theirs)
+    weights = {name: torch.load(root / name / "checkpoint.pt", weights_only=True)["model"] for name in results}
+    assert list(weights["compiled"]) == list(weights["eager"])
+    for key, value in weights["eager"].items():
+        torch.testing.assert_close(weights["compiled"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    # the evaluation ran the compiled model in eval mode (BN's running statistics): the eager figures
+    evals = {name: metrics_of(root / name, "eval")[-1] for name in results}
+    assert evals["compiled"]["eval_images"] == 16
+    assert (evals["compiled"]["top1"], evals["compiled"]["top5"]) == (evals["eager"]["top1"], evals["eager"]["top5"])
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_compiled_runs_checkpoint_is_an_eager_models(runs):
+    root, _ = runs
+    saved = torch.load(root / "compiled" / "checkpoint.pt", weights_only=True)
+    model = build_model("resnet18", 10)
+    model.load_state_dict(saved["model"])  # strict: key for key the plain model's
+    assert saved["config"]["compile"] is True
+    tested = run_train("--test-only", "--out-dir", "compiled", cwd=root, env=inductor_cache(root))
+    assert tested.returncode == 0, tested.stderr[-3000:]
+    evaluated = metrics_of(root / "compiled", "eval")[-1]
+    assert tested.stdout.strip().splitlines()[-1] == \
+        f"top-1 {evaluated['top1']:.4f}  top-5 {evaluated['top5']:.4f}  (16 images)"
+
+
+@pytest.mark.slow(seconds=5)
+def test_compile_is_a_speed_setting_not_part_of_the_run(runs):
+    """The eager run's command started again with --compile is the same run (start-up checks that
+    before anything else): the run is over, so nothing to do, not "a run with other settings"."""
+    root, _ = runs
+    again = run_train("--out-dir", "eager", *RUN, "--compile", "--compile-mode", "reduce-overhead", cwd=root,
+                      env=inductor_cache(root))
+    assert again.returncode == 0 and "eager holds a finished run" in again.stdout, again.stdout + again.stderr
+
+
+def test_compile_mode_takes_torchs_mode_names():
+    assert parse(["--compile"]).compile_mode == "default"
+    assert parse(["--compile", "--compile-mode", "max-autotune"]).compile_mode == "max-autotune"
+    assert COMPILE_MODES == ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+    with pytest.raises(UsageError, match="unknown --compile-mode 'fast'; choose default, reduce-overhead, "
+                                         "max-autotune or max-autotune-no-cudagraphs"):
+        parse(["--compile-mode", "fast"])
