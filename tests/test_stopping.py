@@ -24,10 +24,11 @@ def test_the_interval_keeps_the_agreement_a_small_share_and_a_signal_close():
 
 class TwoRanks:
     """An engine for two threads standing in for two ranks: agree() is the elementwise largest of both
-    ranks' values, after `delay` seconds (what an agreement costs on this rank)."""
+    ranks' values, and costs this rank `delay` seconds more once they have met (so the two measure
+    different costs and propose different intervals)."""
 
     def __init__(self):
-        self.world_size, self.values, self.barrier, self.calls = 2, {}, threading.Barrier(2), 0
+        self.world_size, self.values, self.barrier, self.calls = 2, {}, threading.Barrier(2, timeout=20), 0
 
     def rank(self, rank: int, delay: float):
         engine = self
@@ -36,12 +37,11 @@ class TwoRanks:
             world_size = 2
 
             def agree(self, values):
-                time.sleep(delay)
                 engine.values[rank] = values
                 engine.barrier.wait()
                 largest = [max(pair) for pair in zip(*engine.values.values())]
                 engine.barrier.wait()
-                engine.calls += rank == 0
+                time.sleep(delay)
                 return largest
         return Rank()
 
@@ -57,10 +57,10 @@ def test_the_ranks_agree_at_the_same_steps_and_space_them_by_their_cost():
         for step in range(1, 2001):
             time.sleep(0.0002)  # a step of about 0.2 ms
             if agreements.due(step, 2):
+                steps_agreed[rank].append(step)  # (before agreeing: a rank left waiting alone shows too)
                 stop, = agreements.agree(ranks.rank(rank, 0.01 if rank == 0 else 0.001), step, [rank == 1 and step >= 10])
-                steps_agreed[rank].append(step)
                 stops[rank].append(stop)
-    threads = [threading.Thread(target=train, args=(rank,)) for rank in (0, 1)]
+    threads = [threading.Thread(target=train, args=(rank,), daemon=True) for rank in (0, 1)]
     for thread in threads:
         thread.start()
     for thread in threads:
