@@ -10,10 +10,10 @@ import threading
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import models.batchnorm as batchnorm
 from helpers import REPO, launch
+from helpers.host_reads import ScalarReads
 from models.batchnorm import GroupBatchNorm2d, convert_batchnorm
 from train.config import Config
 from train.engines.single import SingleProcess
@@ -281,19 +281,6 @@ def test_a_span_of_two_ranks_is_batchnorm2d_over_group_i_of_both_with_one_all_re
         assert span.calls[rank] == [((2, 2 * C), False), ((2, 2 * C), False)]
 
 
-class _ScalarReads(TorchDispatchMode):
-    """Counts device-to-host scalar reads (.item(), bool(tensor), ...): on a GPU each would wait for
-    the device."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
 
 def test_a_training_step_makes_one_all_reduce_per_layer_each_way_and_no_host_read(kernels):
     calls = []
@@ -307,7 +294,7 @@ def test_a_training_step_makes_one_all_reduce_per_layer_each_way_and_no_host_rea
                                 torch.nn.Conv2d(4, 6, 3), torch.nn.BatchNorm2d(6)).to(memory_format=torch.channels_last)
     model = convert_batchnorm(model, all_reduce, 1, 2)
     images = torch.randn(8, 3, 9, 9).contiguous(memory_format=torch.channels_last)
-    with _ScalarReads() as mode:
+    with ScalarReads() as mode:
         model(images).square().sum().backward()
     assert mode.reads == 0
     # forward: layer 1 then 2; backward: 2 then 1; each [groups, 2C] for all 4 groups at once, no autograd

@@ -3,9 +3,9 @@ import copy
 import pytest
 import torch
 import torchvision
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from helpers import run_train
+from helpers.host_reads import ScalarReads
 from train.lars import LARS, lars_param_groups
 
 
@@ -83,24 +83,12 @@ def test_param_groups_exclude_every_batchnorm_parameter_and_bias():
     assert len(regular["params"]) + len(excluded["params"]) == len(list(model.parameters()))
 
 
-class _ScalarReads(TorchDispatchMode):
-    """Counts device-to-host scalar reads (.item(), bool(tensor), ...)."""
-
-    def __init__(self):
-        super().__init__()
-        self.reads = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
-            self.reads += 1
-        return func(*args, **(kwargs or {}))
-
 
 def test_step_never_reads_a_tensor_value_on_the_host():
     model = torchvision.models.resnet18(num_classes=10)
     opt = LARS(lars_param_groups(model), lr=1.0, weight_decay=5e-5)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
-    with _ScalarReads() as mode:
+    with ScalarReads() as mode:
         opt.step()
     assert mode.reads == 0
 

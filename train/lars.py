@@ -50,10 +50,7 @@ class LARS(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         grad_scale, found_inf = amp_arguments(self)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params in groups_with_gradients(self):
             grads = [p.grad for p in params]
             if grad_scale is not None:
                 torch._foreach_div_(grads, grad_scale)  # (a power of two: exact, as GradScaler's own unscale)
@@ -112,6 +109,14 @@ def amp_arguments(optimizer) -> tuple:
     `_step_supports_amp_scaling` (its loss scale, and 1 where the scaled gradients held an inf or NaN),
     or (None, None) outside fp16 loss scaling."""
     return getattr(optimizer, "grad_scale", None), getattr(optimizer, "found_inf", None)
+
+
+def groups_with_gradients(optimizer):
+    """(param group, its parameters that have a gradient) for each group that has any."""
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if params:
+            yield group, params
 
 
 def momentum_step(params, grads, buffers, momentum: float, found_inf: torch.Tensor | None = None, *,

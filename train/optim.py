@@ -7,7 +7,7 @@ GradScaler never reads its found-inf flag on the host (a wait for the GPU in eve
 """
 import torch
 
-from train.lars import LARS, amp_arguments, lars_param_groups, momentum_step
+from train.lars import LARS, amp_arguments, groups_with_gradients, lars_param_groups, momentum_step
 
 OPTIMIZERS = {}  # --optimizer NAME -> factory(cfg, model, lr) -> torch.optim.Optimizer
 
@@ -53,10 +53,7 @@ class SGD(torch.optim.SGD):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         grad_scale, found_inf = amp_arguments(self)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params in groups_with_gradients(self):
             states = [self.state[p] for p in params]
             for p, state in zip(params, states):
                 if state.get("momentum_buffer") is None:
@@ -96,10 +93,7 @@ class RMSpropWarmup(torch.optim.Optimizer):
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         grad_scale, found_inf = amp_arguments(self)
-        for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+        for group, params in groups_with_gradients(self):
             grads = [p.grad for p in params]
             if grad_scale is not None:
                 grads = torch._foreach_div(grads, grad_scale)  # (a power of two: exact, as GradScaler's own unscale)

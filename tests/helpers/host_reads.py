@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 REPO = Path(__file__).resolve().parents[2]
 READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
@@ -39,6 +40,20 @@ def _caller(name: str) -> str:
         if frame.filename.startswith(OURS):
             return f"{Path(frame.filename).relative_to(REPO)}:{frame.lineno} {name}"
     return f"elsewhere {name}"
+
+
+class ScalarReads(TorchDispatchMode):
+    """Counts device-to-host scalar reads (.item(), bool(tensor), ...) at the dispatcher, in this
+    process, while it is entered: on a GPU each would wait for the device."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default):
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
 
 
 def main() -> None:
