@@ -1,6 +1,6 @@
 """--keep-checkpoints N: beside checkpoint.pt, the checkpoints of the last N epochs and of the best top-1
-so far, as hard links to the finished checkpoint.pt; counted on across restarts; read by --test-only
---checkpoint and --init-from."""
+so far, as files of their own beside the finished checkpoint.pt; counted on across restarts; read by
+--test-only --checkpoint and --init-from, and by a resume when checkpoint.pt cannot be."""
 import os
 import re
 
@@ -53,8 +53,9 @@ def test_the_last_epochs_and_the_best_are_kept_across_a_restart(tmp_path):
     for epoch in (3, 4):
         saved = checkpoint.peek(run / f"checkpoint-epoch{epoch:03d}.pt")
         assert (saved["step"], saved["epoch"], saved["step_in_epoch"]) == (epoch * STEPS, epoch, 0)
-    # a link to the finished file, not a second write
-    assert os.path.samefile(run / "checkpoint-epoch004.pt", run / "checkpoint.pt")
+    # a file of its own, with the finished file's bytes
+    assert not os.path.samefile(run / "checkpoint-epoch004.pt", run / "checkpoint.pt")
+    assert (run / "checkpoint-epoch004.pt").read_bytes() == (run / "checkpoint.pt").read_bytes()
 
     scored = run_train("--test-only", "--out-dir", "run", "--checkpoint", "checkpoint-best.pt", cwd=tmp_path)
     assert scored.returncode == 0, scored.stderr
@@ -87,3 +88,50 @@ def test_checkpoint_is_for_test_only():
     with pytest.raises(UsageError, match="^--checkpoint checkpoint-best.pt names what --test-only evaluates; to "
                                          "start a run from its weights, give --init-from$"):
         parse(["--checkpoint", "checkpoint-best.pt"])
+
+
+@pytest.mark.slow
+def test_kept_copies_survive_damage_to_checkpoint_pt_and_a_resume_takes_the_newest_intact_one(tmp_path):
+    command = ["--out-dir", "run", *RUN, "--keep-checkpoints", 2]
+    first = run_train(*command, "--max-steps", 2 * STEPS, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    run = tmp_path / "run"
+    copies = {name: (run / name).read_bytes() for name in kept(run)}
+    # damage in place, as a copy tool or a `>` redirect does: the same file, new bytes
+    with open(run / "checkpoint.pt", "r+b") as latest:
+        latest.truncate(1000)
+    assert {name: (run / name).read_bytes() for name in kept(run)} == copies
+    with open(run / "checkpoint-epoch002.pt", "w") as redirected:  # and the newest epoch copy too
+        redirected.write("oops\n")
+    assert checkpoint.peek(run / "checkpoint-best.pt")["step"] == 2 * STEPS == first_best(run)["step"]
+
+    again = run_train(*command, cwd=tmp_path)  # the same command: restart is resume, from the best copy
+    assert again.returncode == 0, again.stderr
+    assert (f"warning: run{os.sep}checkpoint.pt cannot be read (it is truncated or not a torch checkpoint"
+            in again.stdout), again.stdout
+    assert (f"resuming from checkpoint-best.pt, the newest intact checkpoint of the run (step {2 * STEPS})"
+            in again.stdout and f"resuming run at step {2 * STEPS}" in again.stdout), again.stdout
+    assert checkpoint.peek(run / "checkpoint.pt")["epoch"] == 4
+    assert kept(run) == ["checkpoint-best.pt", "checkpoint-epoch003.pt", "checkpoint-epoch004.pt"]
+
+    for name in ["checkpoint.pt", *kept(run)]:  # nothing intact: checkpoint.pt's refusal, naming the copies
+        (run / name).write_bytes(b"x")
+    with pytest.raises(UsageError, match=r"^cannot load .*checkpoint.pt: it is truncated.*; the kept copies "
+                                         r"checkpoint-best.pt, checkpoint-epoch003.pt, checkpoint-epoch004.pt "
+                                         r"cannot be read either$"):
+        checkpoint.to_resume(run)
+
+
+def test_a_copy_that_cannot_be_made_is_said_and_the_next_write_goes_on(tmp_path):
+    writer = checkpoint.Writer()
+    checkpoint.save(tmp_path / "checkpoint.pt", {"model": {}, "step": 4})
+    writer.keep_copies(tmp_path, {"step": 4, "epoch": 1, "step_in_epoch": 0, "best_step": 4}, keep=1)
+    writer.wait()
+    assert writer.copy_failure is None and kept(tmp_path) == ["checkpoint-best.pt", "checkpoint-epoch001.pt"]
+    (tmp_path / "checkpoint.pt").unlink()  # nothing to copy from
+    writer.keep_copies(tmp_path, {"step": 8, "epoch": 2, "step_in_epoch": 0, "best_step": 4}, keep=1)
+    writer.wait()
+    assert writer.copy_failure == ("could not keep a copy of checkpoint.pt at step 8 (No such file or directory); "
+                                   "checkpoint.pt itself is on disk")
+    assert kept(tmp_path) == ["checkpoint-best.pt", "checkpoint-epoch001.pt"]  # nothing half-made
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]

@@ -18,6 +18,7 @@ import yaml
 
 from data import LOADERS
 from models import ARCHS
+from train import checkpoint
 from train.config import FIELDS, Config
 from train.engines import ALLREDUCE, ENGINES
 from train.errors import UsageError
@@ -144,7 +145,7 @@ def parse(argv: list[str]) -> Config:
         # run) continues its run from its checkpoint, or starts it again when it was lost before its first;
         # start-up checks that the command defines the same run (startup.check_same_run)
         values["restarted"] = True
-        flags["resume"] = (Path(out_dir) / "checkpoint.pt").is_file()
+        flags["resume"] = checkpoint.resumable(Path(out_dir))
     if (flags.get("resume") and not values.get("restarted")) or flags.get("test_only"):
         what = "--test-only" if flags.get("test_only") else "--resume"
         if not out_dir:

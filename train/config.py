@@ -86,7 +86,7 @@ class Config:
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
     checkpoint_every_steps: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps, written in the background (0: never)"})
     checkpoint_every_minutes: float = field(default=0.0, metadata={"help": "also checkpoint every M minutes of training (rank 0's clock, agreed by all ranks), written in the background (0: never)"})
-    keep_checkpoints: int = field(default=0, metadata={"help": "besides checkpoint.pt (the latest), keep checkpoint-epochNNN.pt of the last N epochs and checkpoint-best.pt of the best top-1 evaluated (hard links to the finished checkpoint.pt; 0: only checkpoint.pt)"})
+    keep_checkpoints: int = field(default=0, metadata={"help": "besides checkpoint.pt (the latest), keep checkpoint-epochNNN.pt of the last N epochs and checkpoint-best.pt of the best top-1 evaluated (copies of the finished checkpoint.pt, read by a resume when checkpoint.pt cannot be; 0: only checkpoint.pt)"})
     commit_every: int = field(default=50, metadata={"help": "Horovod Elastic: commit the state to host memory every N steps (and at epoch ends); a lost worker costs the steps since"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)"})
     init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)"})

@@ -124,9 +124,12 @@ class Training:
         self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
 
     def _resume(self) -> None:
-        saved = checkpoint.load(self.out_dir / "checkpoint.pt", self.engine.device)
+        path, fallback = checkpoint.to_resume(self.out_dir)  # (checkpoint.pt, or the newest intact kept copy)
+        saved = checkpoint.load(path, self.engine.device)
         self.load_state_dict(saved)
         s = self.state
+        if fallback:
+            self.log.warning(fallback)
         self.log.print(f"resuming {self.out_dir} at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of the epoch)")
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
@@ -134,7 +137,7 @@ class Training:
             # the running rank 0's write in flight for one)
             for leftover in [] if self.engine.elastic else self.out_dir.glob(".checkpoint*.pt.*.tmp"):
                 leftover.unlink(missing_ok=True)
-            if not self.engine.elastic:  # the copies a run killed after its last write had no time to make
+            if not self.engine.elastic and not fallback:  # the copies a run killed after its last write had no time to make
                 self._keep_copies(saved)
 
     def state_dict(self, samples: list[int], finished: str | None = None) -> dict:
@@ -354,24 +357,24 @@ class Training:
             raise agreed_error(RunAborted(problem or "rank 0 could not write the checkpoint"))
 
     def _wait_for_write(self) -> None:
-        """Until the background write is done; logs it, or raises its failure."""
+        """Until the background write (and the copies of the one before) is done; logs it, or raises its
+        failure; then --keep-checkpoints' copies of it start in the background."""
         self.writer.wait()
         if self.writer.last:
             self.log.checkpoint(**self.writer.last)
             self.writer.last = None
+        if self.writer.copy_failure:  # (training goes on: checkpoint.pt is on disk)
+            self.log.warning(self.writer.copy_failure)
+            self.writer.copy_failure = None
         written, self.in_flight = self.in_flight, None
         if written:
             self._keep_copies(written)
 
     def _keep_copies(self, saved: dict) -> None:
         """--keep-checkpoints: the finished checkpoint.pt (whose entries are `saved`) kept as the epoch's
-        and the best one's copy; a copy that cannot be made is said, and training goes on."""
+        and the best one's copy."""
         if self.cfg.keep_checkpoints:
-            try:
-                checkpoint.keep_copies(self.out_dir, saved, self.cfg.keep_checkpoints)
-            except OSError as err:
-                self.log.warning(f"could not keep a copy of checkpoint.pt at step {saved['step']} "
-                                 f"({err.strerror or err}); checkpoint.pt itself is on disk")
+            self.writer.keep_copies(self.out_dir, saved, self.cfg.keep_checkpoints)
 
     def _kept(self) -> str:
         """What a stopped run leaves to continue from, for its last line."""
@@ -396,6 +399,7 @@ class Training:
             self.log.replicas(self.state.step, self.engine.world_size, replicas_differing(self.model, self.engine))
 
     def finish(self) -> dict:
+        self._wait_for_write()  # (the last checkpoint's copies)
         s, cfg = self.state, self.cfg
         seconds, images = time.time() - self.started, self.clock.images(s.step)
         top1 = None if s.top1 is None else round(s.top1, 4)

@@ -303,7 +303,7 @@ def _check_resume_position(cfg: Config, loader) -> None:
     """The saved step must sit where these batch settings put it: resuming with another global batch
     or --batch-schedule would train the epoch's images twice or never, or never end the epoch. And the
     data's classes must be the run's, name by name."""
-    saved = checkpoint.peek(Path(cfg.out_dir) / "checkpoint.pt")
+    saved = checkpoint.peek(checkpoint.to_resume(Path(cfg.out_dir))[0])
     if saved.get("classes") and loader.class_names and saved["classes"] != loader.class_names:
         raise UsageError(f"the classes of {cfg.data_dir or 'the data'} are not those of the run in {cfg.out_dir} "
                          "(same count, other names); check --data-dir")
@@ -350,11 +350,10 @@ def _check_out_dir(cfg: Config) -> None:
     out_dir = Path(cfg.out_dir) if cfg.out_dir else None
     if out_dir is None:
         return
-    saved = out_dir / "checkpoint.pt"
-    if cfg.resume and not saved.is_file():
+    if cfg.resume and not checkpoint.resumable(out_dir):
         raise UsageError(f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume")
-    if saved.is_file():  # a run that is over stays as it is: a restarted finished job is not a failure
-        done = _nothing_left(cfg, checkpoint.peek(saved))
+    if checkpoint.resumable(out_dir):  # a run that is over stays as it is: a restarted finished job is not a failure
+        done = _nothing_left(cfg, checkpoint.peek(checkpoint.to_resume(out_dir)[0]))
         if done:
             raise RunFinished(f"{out_dir} holds a finished run ({done}); nothing to do, its files are unchanged")
     # config.yaml as it is now, not when the flags were read: under Horovod Elastic rank 0 may have made
