@@ -4,7 +4,8 @@
 #
 #   bash scripts/cluster.sh up DIR --nodes N [--link-rate RATE] [--slurm]
 #       makes node1..nodeN; prints `export NAME=VALUE` lines to paste (CLUSTER, with --slurm SLURM_CONF):
-#       --slurm adds a real Slurm, slurmctld on node1 and a slurmd (and munged) on every node
+#       --slurm adds a real Slurm, slurmctld on node1 and a slurmd (and munged) on every node, each
+#       node with the machine's processors; sbatch refuses at once a job they can never hold
 #   bash scripts/cluster.sh exec DIR NODE -- CMD ...   runs CMD on NODE (its host name, networks, disks)
 #                                                      with the caller's environment and directory
 #   bash scripts/cluster.sh link DIR NODE down|up      unplugs / plugs NODE's data0 cable at the switch
@@ -291,6 +292,11 @@ if [ "$slurm" = 1 ]; then
     # one key for every node's munged (each on the socket under its node's own /run)
     [ -s "$dir/slurm/munge.key" ] || dd if=/dev/urandom of="$dir/slurm/munge.key" bs=1 count=1024 status=none
     chmod 400 "$dir/slurm/munge.key"
+    # every node gets the processors the caller may run on (its affinity: the daemons and jobs run
+    # there). Not plain nproc, which obeys OMP_NUM_THREADS and OMP_THREAD_LIMIT too: with
+    # OMP_NUM_THREADS=1 every node had 1 CPU and 2-task-a-node jobs pended forever. Not --all, which
+    # counts CPUs a cpuset keeps us off (slurmd accepts fewer CPUs than it finds, never more)
+    cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
     cat > "$dir/slurm/slurm.conf" <<CONF
 ClusterName=c$id
 SlurmctldHost=node1
@@ -302,6 +308,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# sbatch refuses at once what the nodes can never give (else it pends for ever: PartitionConfig)
+EnforcePartLimits=ALL
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1
@@ -311,7 +319,7 @@ SlurmctldPidFile=/run/slurmctld.pid
 SlurmdPidFile=/run/slurmd.pid
 SlurmctldLogFile=$dir/slurm/slurmctld.log
 SlurmdLogFile=$dir/nodes/%n/slurmd.log
-NodeName=node[1-$nodes] CPUs=$(nproc) State=UNKNOWN
+NodeName=node[1-$nodes] CPUs=$cpus State=UNKNOWN
 PartitionName=cluster Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 CONF
     for i in $(seq "$nodes"); do
@@ -335,3 +343,5 @@ fi
 
 echo "export CLUSTER=$(printf %q "$dir")"
 [ "$slurm" = 0 ] || echo "export SLURM_CONF=$(printf %q "$dir/slurm/slurm.conf")"
+# what a job can ask for: a request beyond it is refused by sbatch at once (EnforcePartLimits=ALL)
+[ "$slurm" = 0 ] || echo "# Slurm: node[1-$nodes], $cpus CPU(s) each"

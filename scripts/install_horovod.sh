@@ -40,7 +40,8 @@ if [ -n "${CUDA_HOME:-}" ]; then
     export HOROVOD_CUDA_HOME=${HOROVOD_CUDA_HOME:-$CUDA_HOME} PATH="$CUDA_HOME/bin:$PATH"
     export HOROVOD_BUILD_CUDA_CC_LIST=${HOROVOD_BUILD_CUDA_CC_LIST:-80,90}
 fi
-MAKEFLAGS="-j$(nproc)"
+# every processor (nproc alone obeys OMP_NUM_THREADS, which a CPU-run shell may set to 1)
+MAKEFLAGS="-j$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
 export MAKEFLAGS HOROVOD_BUILD_ARCH_FLAGS=${HOROVOD_BUILD_ARCH_FLAGS:-}
 
 key=$("$PY" -c "import sys, torch; print(f'py{sys.version_info[0]}{sys.version_info[1]}-torch{torch.__version__}')" | tr '+' '_')

@@ -2,6 +2,8 @@
 reaching the other node as on a real cluster, the nodes taken from the host names, the collectives on
 the data network when TRAINER_IFACE names it, and a bad interface refused (docs/cluster.md)."""
 import json
+import os
+import subprocess
 import time
 
 import pytest
@@ -20,7 +22,8 @@ DATA = {"TRAINER_IFACE": "data0"}
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    with cluster_up(tmp_path_factory.mktemp("multinode"), 2, "--slurm") as made:
+    # up from a shell set for CPU runs (OMP_NUM_THREADS=1): the Slurm nodes must still get every processor
+    with cluster_up(tmp_path_factory.mktemp("multinode"), 2, "--slurm", env={**os.environ, "OMP_NUM_THREADS": "1"}) as made:
         yield made
 
 
@@ -113,15 +116,40 @@ def test_mpirun_starts_the_ranks_on_both_nodes(cluster):
 SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 
 
+def slurm_conf(cluster) -> str:
+    return cluster.exports.split("SLURM_CONF=")[1].split()[0]
+
+
 def sbatch(cluster, folder, *args, env=None, timeout=300):
     """`sbatch -N 2 --ntasks-per-node 2 --wait train.sbatch` submitted on node1: (result, the job's log)."""
     folder.mkdir(parents=True, exist_ok=True)
-    conf = cluster.exports.split("SLURM_CONF=")[1].split()[0]
-    env = {"SLURM_CONF": conf, "PYTHON": PYTHON, "OUT_DIR": str(folder / "run"),
+    env = {"SLURM_CONF": slurm_conf(cluster), "PYTHON": PYTHON, "OUT_DIR": str(folder / "run"),
            "EXTRA_ARGS": " ".join(map(str, args)), **(env or {})}
     done = cluster.run("node1", "sbatch", "-N", 2, "--ntasks-per-node", 2, "--wait", SBATCH, cwd=folder, env=env,
                        timeout=timeout)
     return done, "".join(p.read_text() for p in folder.glob("slurm-*.out"))
+
+
+def test_slurm_nodes_have_the_machines_processors_though_up_ran_with_omp_num_threads_1(cluster):
+    cpus = len(os.sched_getaffinity(0))  # what the script counts: the processors it may run on
+    shown = cluster.run("node1", "sinfo", "-h", "-N", "-o", "%N %c", env={"SLURM_CONF": slurm_conf(cluster)}, timeout=60)
+    assert shown.stdout.splitlines() == [f"node1 {cpus}", f"node2 {cpus}"], shown.stdout + shown.stderr
+    assert f"# Slurm: node[1-2], {cpus} CPU(s) each" in cluster.exports.splitlines()
+
+
+def test_a_job_the_nodes_can_never_hold_is_refused_in_one_line_at_once(cluster):
+    """One task a node more than a node's CPUs: sbatch --wait says why and ends, not pending for ever."""
+    env = {"SLURM_CONF": slurm_conf(cluster)}
+    too_many = len(os.sched_getaffinity(0)) + 1
+    try:
+        refused = cluster.run("node1", "sbatch", "-N", 2, "--ntasks-per-node", too_many, "--wait", "--wrap", "true",
+                              env=env, timeout=30)
+    except subprocess.TimeoutExpired:
+        pending = cluster.run("node1", "squeue", "-h", "-o", "job %i %T, reason %r", env=env, timeout=60).stdout
+        cluster.run("node1", "scancel", "--state", "PENDING", env=env, timeout=60)
+        pytest.fail(f"an impossible job was left pending (sbatch --wait still waiting after 30 s): {pending.strip()}")
+    assert refused.returncode == 1
+    assert refused.stderr == "sbatch: error: Batch job submission failed: More processors requested than permitted\n"
 
 
 def test_sbatch_runs_across_two_nodes(cluster):

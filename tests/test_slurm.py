@@ -17,8 +17,9 @@ SBATCH = REPO / "scripts" / "slurm" / "train.sbatch"
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory):
     state = tmp_path_factory.mktemp("slurm")
+    # started from a shell set for CPU runs (OMP_NUM_THREADS=1): the node must still get every processor
     started = subprocess.run(["bash", str(REPO / "scripts" / "slurm" / "local_cluster.sh"), "start", str(state)],
-                             capture_output=True, text=True, timeout=600)
+                             capture_output=True, text=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert started.returncode == 0, started.stdout + started.stderr
     env = {**os.environ, "SLURM_CONF": str(state / "slurm.conf"), "PYTHON": sys.executable, "PYTHONPATH": str(REPO)}
     yield env
@@ -50,6 +51,22 @@ def wait_for_requeued_end(env, job_id: str, deadline: float, second_attempt_bega
             released = True
         time.sleep(0.5)
     return state
+
+
+def test_the_node_has_the_machines_processors_and_a_job_it_can_never_hold_is_refused_at_once(slurm, tmp_path):
+    cpus = len(os.sched_getaffinity(0))  # what local_cluster.sh counts: the processors it may run on
+    shown = subprocess.run(["sinfo", "-h", "-o", "%c"], env=slurm, capture_output=True, text=True, timeout=60)
+    assert shown.stdout.split() == [str(cpus)], shown.stdout + shown.stderr
+    try:
+        refused = subprocess.run(["sbatch", "-N", "1", "-n", str(cpus + 1), "--wait", "--chdir", str(tmp_path),
+                                  "--wrap", "true"], env=slurm, capture_output=True, text=True, timeout=30)
+    except subprocess.TimeoutExpired:
+        pending = subprocess.run(["squeue", "-h", "-o", "job %i %T, reason %r"], env=slurm, capture_output=True,
+                                 text=True, timeout=60).stdout
+        subprocess.run(["scancel", "--state", "PENDING"], env=slurm, timeout=60)
+        pytest.fail(f"an impossible job was left pending (sbatch --wait still waiting after 30 s): {pending.strip()}")
+    assert refused.returncode == 1
+    assert refused.stderr == "sbatch: error: Batch job submission failed: More processors requested than permitted\n"
 
 
 def test_sbatch_two_tasks_on_the_embedded_dataset(slurm, tmp_path):

@@ -51,7 +51,9 @@ if ! munge -n 2>/dev/null | unmunge >/dev/null 2>&1; then
 fi
 
 host=$(hostname -s)
-cpus=$(nproc)
+# the processors we may run on; not plain nproc, which obeys OMP_NUM_THREADS / OMP_THREAD_LIMIT
+# (=1 for CPU runs made a 1-CPU node; scripts/cluster.sh says more)
+cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)
 memory=$(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1024 - 1024 ))
 mkdir -p "$state/ctld" "$state/spool"
 cat > "$conf" <<CONF
@@ -65,6 +67,8 @@ TaskPlugin=task/none
 SelectType=select/cons_tres
 SelectTypeParameters=CR_CPU
 SchedulerType=sched/backfill
+# sbatch refuses at once what the node can never give (else it pends for ever: PartitionConfig)
+EnforcePartLimits=ALL
 MpiDefault=none
 ReturnToService=2
 JobRequeue=1

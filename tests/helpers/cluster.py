@@ -115,12 +115,13 @@ def namespaces(folder: Path) -> list[str]:
 
 
 @contextlib.contextmanager
-def cluster_up(folder: Path, nodes: int, *flags):
+def cluster_up(folder: Path, nodes: int, *flags, env=None):
     """A cluster for the length of the block, taken down afterwards whatever happens; the tests are
-    skipped, with the script's reason, where this machine cannot make namespaces."""
+    skipped, with the script's reason, where this machine cannot make namespaces. `env`: what `up`
+    runs with (default: this process's environment)."""
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        result = cluster_script("up", folder, "--nodes", nodes, *flags, timeout=400)
+        result = cluster_script("up", folder, "--nodes", nodes, *flags, timeout=400, env=env)
         if result.returncode == 2 and "cannot make" in result.stderr:
             pytest.skip(result.stderr.strip())
         assert result.returncode == 0, result.stderr
