@@ -61,14 +61,18 @@ def test_a_killed_dali_run_leaves_no_process_behind(tmp_path):
                   "--epochs", 60, "--workers", 1, "--log-every", 1], cwd=tmp_path, log=tmp_path / "log")
     helpers: dict[int, str] = {}
     try:
-        def training_with_readers():
+        def training_with_helpers():
+            """{pid: start time} of the run's descendants, once they include DALI's readers and the
+            checkpoint writer (started by the first epoch's checkpoint) and the run is in an epoch."""
             metrics = run / "metrics.jsonl"
-            steps = metrics.exists() and '"kind": "train"' in metrics.read_text()
+            lines = metrics.read_text().splitlines() if metrics.exists() else []
             found = {pid: stat(pid) for pid in descendants(proc.pid)}
-            readers = [pid for pid in found if "spawn_main" in cmdline(pid)]
-            return steps and readers and {pid: s[2] for pid, s in found.items() if s is not None}
-        helpers = wait_until(training_with_readers, 180, "training steps with DALI's reader processes", alive=[proc])
-        os.kill(proc.pid, signal.SIGKILL)  # mid-epoch: 15 steps an epoch, each logged
+            names = " ".join(cmdline(pid) for pid in found)
+            started = lines and '"kind": "train"' in lines[-1] and "spawn_main" in names and "checkpoint_writer" in names
+            return started and {pid: s[2] for pid, s in found.items() if s is not None}
+        helpers = wait_until(training_with_helpers, 180, "training with DALI's readers and the checkpoint writer",
+                             alive=[proc])
+        os.kill(proc.pid, signal.SIGKILL)  # mid-epoch (15 steps an epoch, each logged)
         proc.wait()
         helpers.update(in_session(proc.pid))
         left = left_alive(helpers)
