@@ -15,7 +15,8 @@ pipeline also built once, so that no second set of reader processes is kept for 
 Batches come out normalised, channels_last, on the device. Augmentation randomness is DALI's own,
 seeded per rank and by the first epoch the run trains, so bit-exact resume is a property of the torch
 loader only. Since the readers are spawned processes, a script that builds this loader needs the
-`if __name__ == "__main__":` guard (python -m train has it).
+`if __name__ == "__main__":` guard (python -m train has it). A reader ends by itself once the process
+that built the pipeline has (TrainReader watches for it), so a trainer killed with SIGKILL leaves none.
 """
 import numpy as np
 import torch

@@ -10,6 +10,8 @@ import copy
 import os
 import pickle
 import tempfile
+import threading
+import time
 import weakref
 
 import numpy as np
@@ -97,6 +99,18 @@ class PassRecord:
         self.head[2] = 0
 
 
+def end_with(parent: int, every_s: float = 0.5) -> None:
+    """End this process once `parent` has ended. DALI's readers wait for tasks on a shared-memory queue
+    forever: a trainer killed without its finalisers (SIGKILL) would leave them, and the resource
+    tracker whose pipe they hold, running. A thread that polls the parent's pid, not a parent-death
+    signal: that signal follows the parent's thread that started the readers, which may end first."""
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(every_s)
+        os._exit(1)  # at once: the main thread may be blocked on the dead parent's queue
+    threading.Thread(target=watch, name="end-with-parent", daemon=True).start()
+
+
 def _remove(path: str) -> None:
     try:
         os.unlink(path)
@@ -115,6 +129,12 @@ class TrainReader:
 
     def __init__(self, source, record: PassRecord):
         self.source, self.record = source, record
+        self.parent = os.getpid()  # the process that builds the pipeline and so starts the readers
+
+    def __setstate__(self, state):
+        self.__dict__.update(state)
+        if os.getpid() != self.parent:  # in a reader process
+            end_with(self.parent)
 
     def __call__(self, info):
         pass_index, start_step, end_step = self.record.head.tolist()
