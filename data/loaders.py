@@ -69,22 +69,21 @@ class Loader:
     def __init__(self, num_classes, train_images, val_images, steps_per_epoch):
         self.num_classes, self.train_images = num_classes, train_images
         self.val_images, self.steps_per_epoch = val_images, steps_per_epoch
-        self.skipped, self.skipped_examples = 0, []
+        self.skipped, self.skipped_names = 0, []
 
     def _note_skipped(self, names, counted: set) -> None:
-        """Count the unreadable files among `names` that are not in `counted` yet, and keep the first few
-        names. `counted` lives for one pass (a training epoch, an evaluation): the search for a readable
+        """Count the unreadable files among `names` that are not in `counted` yet, and keep their names.
+        `counted` lives for one pass (a training epoch, an evaluation): the search for a readable
         replacement passes the same bad files again when their neighbours are sampled."""
         new = [name for name in dict.fromkeys(names) if name not in counted]
         counted.update(new)
         self.skipped += len(new)
-        room = max(0, 3 - len(self.skipped_examples))
-        self.skipped_examples += [name for name in new if name not in self.skipped_examples][:room]
+        self.skipped_names += new
 
     def take_skipped(self) -> tuple[int, list[str]]:
-        """Files skipped since the last call, and the first few of them by name."""
-        report = (self.skipped, self.skipped_examples)
-        self.skipped, self.skipped_examples = 0, []
+        """Files skipped since the last call: how many (each once a pass), and their names."""
+        report = (self.skipped, self.skipped_names)
+        self.skipped, self.skipped_names = 0, []
         return report
 
     def train_batches(self, epoch: int, start_step: int = 0, augment: bool = True):
@@ -122,9 +121,9 @@ class FileLoader(Loader):
         super().__init__(len(classes), len(self.train_source), len(self.val_source),
                          len(self.train_source) // self.sampler.global_batch)
         self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
-        if self.train_source.targets is not None:
-            counts = torch.bincount(torch.as_tensor(self.train_source.targets, dtype=torch.int64), minlength=len(classes))
-            self.empty_classes = [c for c, n in zip(classes, counts.tolist()) if n == 0]
+        counts = self.train_source.class_counts()  # (None: shards written without their counts)
+        if counts is not None:
+            self.empty_classes = [name for name, count in zip(classes, counts) if count == 0]
 
     def set_batch_size(self, per_rank: int) -> None:
         self.sampler.batch_size, self.sampler.global_batch = per_rank, per_rank * self.sampler.world_size

@@ -8,7 +8,9 @@ with fixed member metadata, so the same tree always gives byte-identical shards.
 the splits names the classes, one per line in UTF-8 (a name may hold spaces). Beside each shard,
 shard-NNNNNN.names lists the source file of each of its samples (one JSON string a line, absolute
 paths as they were when the shards were written), so that a file the loaders skip is named as the
-user knows it, not as a shard member; shards written without it are named by member.
+user knows it, not as a shard member; shards written without it are named by member. Each split's
+class_counts.json holds its samples per class (a JSON list in class order), so that a class with no
+images is found without a pass over the shards; shards written without it are not checked for one.
 """
 import bisect
 import io
@@ -22,7 +24,8 @@ from pathlib import Path
 from data.tree import DataError, check_tree, list_samples, write_classes
 
 INDEX_VERSION = "v1.2"
-_SHARD_FILE = re.compile(r"shard-\d{6}\.(tar|idx|names|tar\.partial)")  # what write_shards writes (.partial: older versions)
+_SHARD_FILE = re.compile(r"shard-\d{6}\.(tar|idx|names|tar\.partial)|class_counts\.json")  # what write_shards writes (.partial: older versions)
+CLASS_COUNTS = "class_counts.json"
 
 
 def _member(tar: tarfile.TarFile, name: str, payload: bytes) -> tuple[int, int]:
@@ -59,8 +62,14 @@ def _is_mount_point(folder: Path) -> bool:
     return os.fsencode(os.path.realpath(folder)) in points
 
 
-def _write_split(samples: list[tuple[str, int]], split_dir: Path, shard_size: int, unreadable: list[str]) -> None:
+def _write_split(samples: list[tuple[str, int]], classes: list[str], split_dir: Path, shard_size: int,
+                 unreadable: list[str]) -> list[int]:
+    """The split's shards; returns its samples per class."""
     split_dir.mkdir()
+    counts = [0] * len(classes)
+    for _, label in samples:
+        counts[label] += 1
+    (split_dir / CLASS_COUNTS).write_text(json.dumps(counts) + "\n")
     for first in range(0, len(samples), shard_size):
         stem = split_dir / f"shard-{first // shard_size:06d}"
         lines, names = [], []
@@ -78,11 +87,12 @@ def _write_split(samples: list[tuple[str, int]], split_dir: Path, shard_size: in
                 names.append(json.dumps(os.path.abspath(path)))
         Path(f"{stem}.idx").write_text(f"{INDEX_VERSION} {len(lines)}\n" + "\n".join(lines) + "\n")
         Path(f"{stem}.names").write_text("\n".join(names) + "\n", encoding="utf-8")
+    return counts
 
 
 def write_shards(tree: Path, out: Path, shard_size: int = 1000) -> dict:
     """Shards of both splits of an ImageFolder tree: {"train": count, "val": count, "unreadable": [paths
-    stored empty]}. The set is written into a sibling folder and renamed into place at the end, so `out`
+    stored empty], "empty": [classes without training images]}. The set is written into a sibling folder and renamed into place at the end, so `out`
     holds its old set or the whole new one, never a mix; a folder holding anything else is refused."""
     tree, out = Path(tree), Path(os.path.abspath(out))
     classes = check_tree(str(tree))
@@ -104,8 +114,10 @@ def write_shards(tree: Path, out: Path, shard_size: int = 1000) -> dict:
     try:
         for split in ("train", "val"):
             samples = list_samples(tree / split, classes)
-            _write_split(samples, new / split, shard_size, counts["unreadable"])
+            per_class = _write_split(samples, classes, new / split, shard_size, counts["unreadable"])
             counts[split] = len(samples)
+            if split == "train":
+                counts["empty"] = [name for name, count in zip(classes, per_class) if count == 0]
         write_classes(new, classes)
         shutil.rmtree(old, ignore_errors=True)
         if out.exists():
@@ -136,6 +148,7 @@ class ShardSamples:
     """Random access to the (jpg bytes, label) samples of one split's shards."""
 
     def __init__(self, split_dir: Path):
+        self.split_dir = split_dir
         self.tars = sorted(Path(split_dir).glob("*.tar"))
         self.entries, self.firsts = [], []  # firsts: each shard's first index
         for tar in self.tars:
@@ -144,6 +157,14 @@ class ShardSamples:
 
     def __len__(self) -> int:
         return len(self.entries)
+
+    def class_counts(self) -> list[int] | None:
+        """Samples per class, as write_shards counted them (None: shards written without the count)."""
+        try:
+            counts = json.loads((Path(self.split_dir) / CLASS_COUNTS).read_text())
+        except (OSError, ValueError):
+            return None
+        return counts if isinstance(counts, list) and all(isinstance(n, int) for n in counts) else None
 
     def name(self, index: int) -> str:
         """The sample's source file (from the shard's .names), else its member in the shard."""

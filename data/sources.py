@@ -4,6 +4,8 @@ No torch here: DALI's reader processes unpickle these and would otherwise each i
 370 MB of private memory per process)."""
 from pathlib import Path
 
+import numpy as np
+
 from data.index import load_samples
 from data.shards import ShardSamples
 from data.tree import DataError, is_shard_tree
@@ -26,6 +28,11 @@ class FolderSource:
     def __init__(self, split_dir: Path, classes: list[str], shared_writer: bool = True, relist: bool = False):
         self.samples = load_samples(split_dir, classes, shared_writer, relist)
         self.targets = self.samples.labels
+        self.num_classes = len(classes)
+
+    def class_counts(self) -> list[int] | None:
+        """Samples per class."""
+        return np.bincount(self.targets, minlength=self.num_classes).tolist()
 
     def digest(self) -> str:
         return self.samples.digest()
@@ -43,8 +50,8 @@ class FolderSource:
 
 
 class ShardSource(ShardSamples):
-    """The (image, label) samples of one split's tar shards."""
-    targets = None  # labels live inside the shards; reading them all up front would cost a pass
+    """The (image, label) samples of one split's tar shards (their labels live inside the shards:
+    the class counts come from class_counts.json)."""
 
     def digest(self) -> str:
         import hashlib

@@ -63,6 +63,9 @@ def main() -> int:
     if counts["unreadable"]:
         print(f"warning: {len(counts['unreadable'])} file(s) could not be read and are stored empty (skipped in "
               f"training, as in the tree), e.g. {', '.join(counts['unreadable'][:3])}")
+    if counts["empty"]:  # (kept, as the trainer keeps them: the class indices stay the tree's)
+        print(f"warning: {len(counts['empty'])} class folder(s) hold no training images and are written as "
+              f"classes without samples: {', '.join(counts['empty'][:5])}")
     print(f"wrote {counts['train']} train and {counts['val']} val samples to {args.out}")
     return 0
 

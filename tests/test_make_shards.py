@@ -126,7 +126,7 @@ def test_rewriting_replaces_the_whole_set_of_shards(tmp_path):
     result = make_shards(tree, tmp_path / "shards", 8)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in (tmp_path / "shards" / "train").iterdir()) == \
-        [f"shard-00000{i}.{ext}" for i in (0, 1) for ext in ("idx", "names", "tar")]
+        ["class_counts.json", *(f"shard-00000{i}.{ext}" for i in (0, 1) for ext in ("idx", "names", "tar"))]
     assert len(ShardSamples(tmp_path / "shards" / "train")) == 14
     assert sorted(p.name for p in tmp_path.iterdir()) == ["shards", "tree"]  # no sibling left behind
 
@@ -227,3 +227,19 @@ def test_an_output_folder_that_cannot_be_written_is_one_line(kind, tmp_path):
         if kind == "read-only mount":  # the mount point itself: the new set could never be renamed into place
             assert refused(make_shards(tree, locked, 4))
     assert [p.name for p in locked.rglob("*")] == ["inside"] and sorted(p.name for p in tmp_path.iterdir()) == ["locked", "tree"]
+
+
+def test_a_class_without_training_images_is_said_by_make_shards_and_found_in_the_shards(tmp_path):
+    tree = clean_tree(tmp_path / "tree", classes=("a", "b", "c"), train_per_class=4)
+    for name in os.listdir(tree / "train" / "b"):
+        os.unlink(tree / "train" / "b" / name)  # b keeps its folder (and index), without a training image
+    result = make_shards(tree, tmp_path / "shards", 5)
+    assert result.returncode == 0, result.stderr
+    assert ("warning: 1 class folder(s) hold no training images and are written as classes without samples: b"
+            in result.stdout.splitlines()), result.stdout
+    for root in (tree, tmp_path / "shards"):  # the trainer's loader finds it in both (and warns: test_bad_data)
+        loader = TorchLoader(Config(data_dir=str(root), image_size=16, batch_size=4, workers=1),
+                             check_tree(str(root)), 0, 1, torch.device("cpu"))
+        assert loader.empty_classes == ["b"], root
+    full = make_shards(clean_tree(tmp_path / "full"), tmp_path / "full_shards", 5)
+    assert full.returncode == 0 and "warning" not in full.stdout, full.stdout
