@@ -30,11 +30,22 @@ def done_line(result) -> str:
 def test_the_done_line_counts_this_segment_and_says_one_step(tmp_path):
     first = run_train("--out-dir", "run", *RUN, "--max-steps", 1, cwd=tmp_path)
     assert first.returncode == 0, first.stderr
-    assert re.match(r"done: 1 step, 8 images in [\d.]+ s; top-1 None; run directory run$", done_line(first)), first.stdout
+    assert re.match(r"done: 1 step, 8 images in [\d.]+ s; run directory run$", done_line(first)), first.stdout  # no eval: no top-1
     second = run_train("--out-dir", "run", *RUN, "--max-steps", 5, cwd=tmp_path)
     assert second.returncode == 0, second.stderr
     line = done_line(second)
     assert re.match(r"done: step 5 \(4 steps, 32 images in [\d.]+ s since the resume at step 1; 40 images in all\)", line), line
+
+
+@pytest.mark.slow
+def test_a_refusal_prints_auto_chosen_values_as_a_user_would_type_them(tmp_path):
+    first = run_train("--out-dir", "run", *RUN, "--epochs", 3, "--warmup-epochs", 3, "--max-steps", 1, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr
+    # a warmup as long as the run is cut to 40% of it (0.4 x 3 epochs in binary: 1.2000000000000002)
+    longer = run_train("--out-dir", "run", *RUN, "--epochs", 6, "--warmup-epochs", 3, "--max-steps", 2, cwd=tmp_path)
+    assert longer.returncode == 2, longer.stderr
+    assert longer.stderr.startswith("error: run holds a run with other settings (warmup_epochs 1.2 there, 3 here)"), \
+        longer.stderr
 
 
 @pytest.mark.slow

@@ -409,13 +409,13 @@ class Training:
         self._wait_for_write()  # (the last checkpoint's copies)
         s, cfg = self.state, self.cfg
         seconds, images = time.time() - self.started, self.clock.images(s.step)
-        top1 = None if s.top1 is None else round(s.top1, 4)
         steps, trained = s.step - self.first_step, images - self.clock.images(self.first_step)
         segment = f"{_count(steps, 'step')}, {trained} images in {seconds:.1f} s"
         summary = (f"done: {segment}" if not self.first_step else
                    f"done: step {s.step} ({segment} since the resume at step {self.first_step}; {images} images in all)")
+        measured = f"; top-1 {s.top1:.4f}" if s.top1 is not None else ""  # (a run without evaluation: nothing to say)
         self.log.stop(K.SUCCESS if (s.reached_target or not cfg.target_accuracy) else K.ABORTED,
-                      f"{summary}; top-1 {top1}; run directory {self.out_dir}")
+                      f"{summary}{measured}; run directory {self.out_dir}")
         self.engine.shutdown()
         return {"top1": s.top1, "top5": s.top5, "reached_target": s.reached_target, "steps": s.step,
                 "images": images, "seconds": seconds, "out_dir": str(self.out_dir)}

@@ -262,11 +262,17 @@ def check_same_run(cfg: Config) -> None:
         if name in ("data_dir", "init_from"):  # paths: the same file however it is spelled
             return (Path(old).resolve() if old else "") == (Path(new).resolve() if new else "")
         return old == new
-    differ = [f"{name} {saved[name]!r} there, {getattr(cfg, name)!r} here" for name in DEFINING
+    differ = [f"{name} {as_typed(saved[name])} there, {as_typed(getattr(cfg, name))} here" for name in DEFINING
               if name in saved and not same(name, saved[name], getattr(cfg, name))]
     if differ:
         raise UsageError(f"{cfg.out_dir} holds a run with other settings ({'; '.join(differ)}); start it with its "
                          "own settings to continue it, --resume to change them on purpose, or choose another --out-dir")
+
+
+def as_typed(value) -> str:
+    """A setting as a user would type it: a float without its binary noise (0.4 x 3 epochs of warmup is
+    1.2, not 1.2000000000000002), anything else as Python writes it."""
+    return f"{value:.10g}" if isinstance(value, float) else repr(value)
 
 
 HEAD = ("fc.weight", "fc.bias")  # the classifier, the one part that depends on the class count
