@@ -464,3 +464,68 @@ def test_a_long_run_does_not_squash_a_short_one(tmp_path):
     assert max(short_seconds) - min(short_seconds) >= 0.1 * throughput.bbox.width  # its 3 points spread out
     # its eval (epoch 0.2) stands apart from the long run's first (epoch 1)
     assert pixel_x(accuracy, "long")[0] - pixel_x(accuracy, "short")[0] >= 0.1 * accuracy.bbox.width
+
+
+@pytest.fixture(scope="module")
+def complete_run(tmp_path_factory):
+    """A real run of two epochs trained in full, its global batch halved for the second (--batch-schedule),
+    evaluated after each; its log ends with run_stop status success."""
+    root = tmp_path_factory.mktemp("complete")
+    trained = run_train("--out-dir", "done", "--arch", "resnet18", "--epochs", 2, "--batch-schedule", "1:32",
+                        "--workers", 0, "--log-every", 5, cwd=root)
+    assert trained.returncode == 0, trained.stderr
+    return root / "done"
+
+
+@pytest.fixture(scope="module")
+def resumed_run_real(tmp_path_factory):
+    """A real run of two epochs stopped by --max-steps after the first, then resumed to its end: two
+    segments in one mllog.txt, and it completed."""
+    root = tmp_path_factory.mktemp("resumed")
+    for flags in (("--arch", "resnet18", "--epochs", 2, "--max-steps", 15), ("--resume", "--max-steps", 0)):
+        trained = run_train("--out-dir", "again", *flags, "--workers", 0, "--log-every", 5, cwd=root)
+        assert trained.returncode == 0, trained.stderr
+    return root / "again"
+
+
+def copy_without(run, name, tmp_path):
+    """A copy of the run directory without its file `name`."""
+    copy = tmp_path / f"{run.name}-without-{name}"
+    shutil.copytree(run, copy)
+    (copy / name).unlink()
+    return copy
+
+
+def error_line(result, *words):
+    """The scorer refused: exit 2 and one `error:` line on stderr that says each of words."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert all(word in lines[0] for word in words), lines[0]
+
+
+@pytest.mark.slow
+def test_a_run_without_metrics_is_scored_from_its_mllog_the_same(complete_run, tmp_path):
+    whole = json.loads(score(complete_run, "--json", cwd=tmp_path).stdout)
+    bare = copy_without(complete_run, "metrics.jsonl", tmp_path)
+    result = score(bare, "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    last_eval = [json.loads(line) for line in (complete_run / "metrics.jsonl").read_text().splitlines()
+                 if '"kind": "eval"' in line][-1]
+    assert got["images"] == last_eval["images"] > 0  # what the trainer counted: both epochs, at their batches
+    for key in ("top1", "images", "throughput_img_s", "time_to_quality_s", "time_to_target_s", "total_flop",
+                "valid_flops", "status", "mlperf_compliant", "mlperf_verdict"):
+        assert got[key] == whole[key], key
+    assert whole["mlperf_compliant"] is True
+    assert any("metrics.jsonl is missing" in note for note in got["notes"])
+
+
+@pytest.mark.slow
+def test_a_run_without_metrics_whose_mllog_cannot_say_is_refused(max_steps_run, resumed_run_real, tmp_path):
+    # stopped 3 steps into its first epoch: mllog.txt has no epoch_stop to count its images by
+    error_line(score(copy_without(max_steps_run, "metrics.jsonl", tmp_path), cwd=tmp_path),
+               "metrics.jsonl is missing", "epoch_stop for epoch 1")
+    # resumed: the downtime between its segments is in metrics.jsonl only
+    error_line(score(copy_without(resumed_run_real, "metrics.jsonl", tmp_path), "--no-check", cwd=tmp_path),
+               "metrics.jsonl is missing", "resumed run (2 segments)")

@@ -46,12 +46,15 @@ class Score:
 @dataclass
 class _Log:
     """What mllog.txt says of a run: the run_start of each segment (ms), its evals, its end and status
-    (crashed: the last segment has no run_stop), and its training images per epoch (train_samples)."""
+    (crashed: the last segment has no run_stop), its training images per epoch (train_samples), how
+    many times the trainer began writing it (segments) and all its events."""
     starts: list[float]
     evals: list[dict]
     end_ms: float
     status: str
     train_images: int | None = None
+    segments: int = 1
+    events: list = field(default_factory=list)
 
 
 def _read_log(mllog: Path, notes: list) -> _Log:
@@ -60,15 +63,56 @@ def _read_log(mllog: Path, notes: list) -> _Log:
     evals = [e for e in events if e["key"] == "eval_accuracy"]
     if not starts:
         raise ScoreError(f"{mllog} has no run_start; the run never began training")
+    # Each start of the trainer appends its setup to the log, from init_start on (train/runlog.py), even
+    # one that fails before run_start; a hand-made log may have run_start alone.
+    segments = max(sum(e["key"] == "init_start" for e in events), len(starts))
     # One run_start per segment of a resumed run: only the last segment's run_stop ends the run.
     stops = [e for e in events if e["key"] == "run_stop" and e["time_ms"] >= starts[-1]]
     if not evals:
         raise ScoreError(f"{mllog} has no eval_accuracy; the run never evaluated, so it has no quality to score")
     train_images = next((e["value"] for e in events if e["key"] == "train_samples"), None)
     if not stops:
-        return _Log(starts, evals, evals[-1]["time_ms"], "crashed", train_images)
+        return _Log(starts, evals, evals[-1]["time_ms"], "crashed", train_images, segments, events)
     status = "complete" if stops[-1].get("metadata", {}).get("status") == "success" else "aborted"
-    return _Log(starts, evals, stops[-1]["time_ms"], status, train_images)
+    return _Log(starts, evals, stops[-1]["time_ms"], status, train_images, segments, events)
+
+
+def _records_from_mllog(mllog: Path, log: _Log) -> list[dict]:
+    """Stand-ins for the metrics.jsonl records the score reads, counted from mllog.txt when metrics.jsonl
+    is missing: an `epoch` record (step, epoch, images) at each epoch_stop and an `eval` record
+    (eval_samples images) at each eval, up to the run's end; ScoreError naming what cannot be counted."""
+    missing = f"{mllog.parent / 'metrics.jsonl'} is missing"
+    if log.segments > 1:
+        raise ScoreError(f"{missing} and {mllog} holds a resumed run ({log.segments} segments): its training time "
+                         "needs the downtime between segments, which only metrics.jsonl's resume records hold")
+    events = [e for e in log.events if e["time_ms"] <= log.end_ms]
+    first = {}  # the first value of each setup key
+    for e in events:
+        first.setdefault(e["key"], e["value"])
+    for key in ("train_samples", "global_batch_size", "eval_samples"):
+        if not isinstance(first.get(key), int):
+            raise ScoreError(f"{missing} and {mllog} has no {key}: the images trained and evaluated cannot be counted")
+    stopped = {e["metadata"].get("epoch_num"): e["time_ms"] for e in events if e["key"] == "epoch_stop"}
+    unfinished = sorted({e["metadata"].get("epoch_num") for e in events if e["key"] == "epoch_start"} - set(stopped))
+    if unfinished:  # stopped mid-epoch (--max-steps): the steps taken in it are in metrics.jsonl only
+        raise ScoreError(f"{missing} and {mllog} has no epoch_stop for epoch {unfinished[0]} before the run's end: "
+                         "the images trained in it cannot be counted")
+    # A global_batch_size with an epoch_num is a --batch-schedule change from that epoch (1-based) on.
+    changes = [(e["metadata"]["epoch_num"] - 1, e["value"]) for e in events
+               if e["key"] == "global_batch_size" and "epoch_num" in e.get("metadata", {})]
+    try:
+        clock = EpochClock(first["train_samples"], first["global_batch_size"], changes)
+    except ValueError as err:
+        raise ScoreError(f"{missing} and {mllog} cannot be counted from: {err}") from None
+    records, step, images = [], 0, 0
+    for epoch in range(1, max(stopped, default=0) + 1):  # epochs run from 1, each after the one before
+        step += clock.steps_in(epoch - 1)
+        images += clock.steps_in(epoch - 1) * clock.global_batch(epoch - 1)
+        records.append({"kind": "epoch", "step": step, "epoch": epoch, "images": images,
+                        "time": stopped.get(epoch, 0) / 1000})
+    records += [{"kind": "eval", "eval_images": first["eval_samples"], "time": e["time_ms"] / 1000}
+                for e in log.evals if e["time_ms"] <= log.end_ms]
+    return records
 
 
 def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, notes: list) -> tuple[str, str]:
@@ -138,6 +182,10 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     config = read_config(run_dir)
     log = _read_log(mllog, notes)
     metrics = read_metrics(run_dir, notes)
+    if not metrics:  # the images and evaluations are counted from mllog.txt instead, or not at all
+        metrics = _records_from_mllog(mllog, log)
+        notes.append("metrics.jsonl is missing: images trained and evaluated counted from mllog.txt (train_samples, "
+                     "global_batch_size, epoch_stop, eval_samples)")
     resumes = [m for m in metrics if m.get("kind") == "resume"]
     run_start = log.starts[0]
     wall_seconds, seconds = (log.end_ms - run_start) / 1000, training_seconds(log.end_ms, run_start, resumes)
