@@ -307,7 +307,7 @@ def test_each_problem_is_said_once_and_a_missing_path_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     result = score("runs/x", "empty", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr == "error: runs/x does not exist; empty holds no mllog.txt; is it a run directory?\n"
+    assert result.stderr == "error: runs/x does not exist; empty holds no mllog.txt or metrics.jsonl; is it a run directory?\n"
     make_run(tmp_path, "good", [(100, 0.76)], stop_s=100)
     partly = score("runs/x", "good", "--no-check", cwd=tmp_path)
     assert partly.returncode == 0 and partly.stderr == "warning: runs/x does not exist\n"
@@ -489,8 +489,8 @@ def resumed_run_real(tmp_path_factory):
 
 
 def copy_without(run, name, tmp_path):
-    """A copy of the run directory without its file `name`."""
-    copy = tmp_path / f"{run.name}-without-{name}"
+    """A copy of the run directory, of the same name, in tmp_path, without its file `name`."""
+    copy = tmp_path / run.name
     shutil.copytree(run, copy)
     (copy / name).unlink()
     return copy
@@ -529,3 +529,28 @@ def test_a_run_without_metrics_whose_mllog_cannot_say_is_refused(max_steps_run, 
     # resumed: the downtime between its segments is in metrics.jsonl only
     error_line(score(copy_without(resumed_run_real, "metrics.jsonl", tmp_path), "--no-check", cwd=tmp_path),
                "metrics.jsonl is missing", "resumed run (2 segments)")
+
+
+@pytest.mark.slow
+def test_a_run_without_mllog_is_scored_from_its_metrics_and_gets_no_verdict(complete_run, resumed_run_real, tmp_path):
+    for run in (complete_run, resumed_run_real):  # the resumed one: in training time, its downtime left out
+        bare = copy_without(run, "mllog.txt", tmp_path)
+        result = score(bare, "--json", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        got = json.loads(result.stdout)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        last_eval = [m for m in records if m["kind"] == "eval"][-1]
+        assert got["top1"] == last_eval["top1"] and got["images"] == last_eval["images"] > 0
+        assert got["time_to_quality_s"] == pytest.approx(last_eval["seconds"], abs=0.01)
+        assert got["throughput_img_s"] == pytest.approx(last_eval["images"] / last_eval["seconds"], rel=1e-3)
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        arch, size, classes = config["arch"], config["image_size"], config["num_classes"]
+        total = (last_eval["images"] * train_flops_per_image(arch, size, classes)
+                 + sum(m["eval_images"] for m in records if m["kind"] == "eval") * eval_flops_per_image(arch, size, classes))
+        assert got["total_flop"] == total
+        assert got["valid_flops"] == pytest.approx(total / got["time_to_quality_s"] * (got["top1"] / 0.763) ** 5)
+        assert got["mlperf_compliant"] is None and "mllog.txt is missing" in got["mlperf_verdict"]
+        table = score(bare, cwd=tmp_path)
+        assert table.returncode == 0 and table.stderr == ""
+        assert [line for line in table.stdout.splitlines() if "mllog.txt" in line] == [
+            f"{bare.name}: MLPerf: {got['mlperf_verdict']}"]  # what it cannot score, said once

@@ -115,10 +115,25 @@ def _records_from_mllog(mllog: Path, log: _Log) -> list[dict]:
     return records
 
 
+def _log_from_metrics(run_dir: Path, metrics: list[dict]) -> _Log:
+    """What metrics.jsonl says in place of a missing mllog.txt: its run_start (the wall-clock time of its
+    first record less the training seconds it gives) and its evals; the run ends at its last eval, as
+    nothing there says how or when it stopped (status "unknown")."""
+    evals = [{"time_ms": m["time"] * 1000, "value": m["top1"]} for m in metrics if m.get("kind") == "eval"]
+    if not evals:
+        raise ScoreError(f"{run_dir} holds no mllog.txt and its metrics.jsonl has no eval record; the run never "
+                         "evaluated, so it has no quality to score")
+    first = next(m for m in metrics if "seconds" in m and "time" in m)  # (an eval record has both)
+    return _Log([(first["time"] - first["seconds"]) * 1000], evals, evals[-1]["time_ms"], "unknown")
+
+
 def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, notes: list) -> tuple[str, str]:
     """The run's status, and why it gets no MLPerf verdict ("" when the checker judges it). Only a run
     that ended by itself (its epochs trained, its target reached, or stopped by the trainer: complete
     or aborted) is a result; one cut short gets no verdict, whatever the checker would say of its log."""
+    if log.status == "unknown":
+        return "unknown", ("no verdict: mllog.txt is missing, and the MLPerf verdict needs it; timed by metrics.jsonl "
+                           "to its last eval")
     if log.status == "crashed":
         marker = run_dir / PREEMPTED_MARKER
         if marker.is_file():  # written beside checkpoint.pt by a run stopped by a signal; a resume removes it
@@ -176,12 +191,15 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     mllog = run_dir / "mllog.txt"
     if not run_dir.exists():
         raise ScoreError(f"{run_dir} does not exist")
-    if not mllog.is_file():
-        raise ScoreError(f"{run_dir} holds no mllog.txt; is it a run directory?")
     notes: list[str] = []
     config = read_config(run_dir)
-    log = _read_log(mllog, notes)
     metrics = read_metrics(run_dir, notes)
+    if not mllog.is_file():
+        if not metrics:
+            raise ScoreError(f"{run_dir} holds no mllog.txt or metrics.jsonl; is it a run directory?")
+        log = _log_from_metrics(run_dir, metrics)
+    else:
+        log = _read_log(mllog, notes)
     if not metrics:  # the images and evaluations are counted from mllog.txt instead, or not at all
         metrics = _records_from_mllog(mllog, log)
         notes.append("metrics.jsonl is missing: images trained and evaluated counted from mllog.txt (train_samples, "
