@@ -554,3 +554,20 @@ def test_a_run_without_mllog_is_scored_from_its_metrics_and_gets_no_verdict(comp
         assert table.returncode == 0 and table.stderr == ""
         assert [line for line in table.stdout.splitlines() if "mllog.txt" in line] == [
             f"{bare.name}: MLPerf: {got['mlperf_verdict']}"]  # what it cannot score, said once
+
+
+@pytest.mark.slow
+def test_a_resumed_run_that_completed_is_not_checkable_rather_than_failed(resumed_run_real, tmp_path):
+    from helpers import compliance
+    checked = compliance(resumed_run_real / "mllog.txt", cwd=tmp_path)  # the checker fails its repeated setup
+    assert "FAILED" in checked.stdout + checked.stderr and "submission_org" in checked.stdout + checked.stderr
+    for check in ([], ["--no-check"]):  # known without asking the checker
+        got = json.loads(score(resumed_run_real, "--json", *check, cwd=tmp_path).stdout)
+        assert got["status"] == "complete, resumed 1x"
+        assert got["mlperf_compliant"] is None
+        assert got["mlperf_verdict"] == "not checkable: resumed run (2 segments)"  # two starts of the trainer
+        assert "one uninterrupted run" in got["mlperf_reason"]
+    rows = score(resumed_run_real, cwd=tmp_path).stdout.splitlines()
+    assert "FAILED" not in rows[1] and rows[1].split()[-2] == "-"  # the MLPerf column
+    assert any(row.startswith("again: MLPerf: not checkable: resumed run (2 segments): the checker judges")
+               for row in rows), rows

@@ -140,8 +140,9 @@ def table(scores: list[Score]) -> str:
     for s in scores:
         if s.mlperf_compliant is False:
             lines.append(f"{Path(s.run).name}: MLPerf checker: {s.mlperf_verdict}")
-        elif s.mlperf_verdict.startswith("no verdict"):  # a run cut short: why the MLPerf column says -
-            lines.append(f"{Path(s.run).name}: MLPerf: {s.mlperf_verdict}")
+        elif s.mlperf_compliant is None and s.mlperf_reason not in ("", "--no-check"):  # why the column says -
+            why = "" if s.mlperf_verdict.endswith(s.mlperf_reason) else f": {s.mlperf_reason}"
+            lines.append(f"{Path(s.run).name}: MLPerf: {s.mlperf_verdict}{why}")
         if s.level_reason:
             lines.append(f"{Path(s.run).name}: HPC AI500 level {s.hpc_ai500_level}: {s.level_reason}")
         lines += [f"{Path(s.run).name}: {note}" for note in s.notes]

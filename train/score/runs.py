@@ -32,6 +32,7 @@ class Score:
     valid_flops: float
     mlperf_compliant: bool | None = None
     mlperf_verdict: str = ""
+    mlperf_reason: str = ""  # why the checker gave no verdict (mlperf_compliant null); "" when it did
     time_to_target_s: float | None = None
     reached_target: bool | None = None
     training_time_s: float | None = None
@@ -154,6 +155,19 @@ def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, n
     return log.status, ""
 
 
+def _mlperf_verdict(mllog: Path, log: _Log, no_verdict: str, check: bool) -> tuple[bool | None, str, str]:
+    """(compliant, verdict, why there is none): the checker's, or None and why it is not asked."""
+    if no_verdict:
+        return None, no_verdict, no_verdict.removeprefix("no verdict: ")
+    if log.segments > 1:  # the checker would fail it on the repeated setup keys, whatever the run was
+        return None, f"not checkable: resumed run ({log.segments} segments)", (
+            "the checker judges the log of one uninterrupted run; each segment of a resumed run logs the run's "
+            "setup again (submission_org and the other setup keys), which it fails")
+    if not check:
+        return None, "not checked", "--no-check"
+    return (*compliance(mllog), "")
+
+
 def _max_steps_stop(config: dict, metrics: list[dict], log: _Log) -> str:
     """How far a run stopped by --max-steps got ("3 of 240 steps, epoch 0.2 of 16"), or "" when it was
     not stopped so: it trained its epochs or reached its --target-accuracy."""
@@ -220,11 +234,11 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     total_flop = run_flop(config, images, eval_images)
     flops = total_flop / seconds
     level, reason = hpc_ai500_level(config)
-    verdict = (None, no_verdict) if no_verdict else compliance(mllog) if check else (None, "not checked")
+    verdict = _mlperf_verdict(mllog, log, no_verdict, check)
     return Score(run=str(run_dir), time_to_quality_s=round(seconds, 3), images=images,
                  throughput_img_s=round(images / seconds, 2), top1=top1, total_flop=total_flop, flops=flops,
                  valid_flops=valid_flops(flops, top1, target, power), mlperf_compliant=verdict[0],
-                 mlperf_verdict=verdict[1], reached_target=bool(reached),
+                 mlperf_verdict=verdict[1], mlperf_reason=verdict[2], reached_target=bool(reached),
                  time_to_target_s=round(training_seconds(reached[0]["time_ms"], run_start, resumes), 3) if reached else None,
                  training_time_s=round(seconds, 3), wall_time_s=round(wall_seconds, 3), status=status,
                  hpc_ai500_level=level, level_reason=reason,
