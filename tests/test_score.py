@@ -571,3 +571,22 @@ def test_a_resumed_run_that_completed_is_not_checkable_rather_than_failed(resume
     assert "FAILED" not in rows[1] and rows[1].split()[-2] == "-"  # the MLPerf column
     assert any(row.startswith("again: MLPerf: not checkable: resumed run (2 segments): the checker judges")
                for row in rows), rows
+
+
+def test_runs_of_one_folder_name_are_told_apart_by_their_paths(tmp_path):
+    from train.score import report_figure, score_run
+    runs = []
+    for parent in ("a", "b"):
+        (tmp_path / parent).mkdir()
+        runs.append(make_run(tmp_path / parent, "run", [(100, 0.5)], stop_s=100))
+    other = make_run(tmp_path, "other", [(100, 0.5)], stop_s=100)
+    result = score(*runs, other, "--no-check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:4]] == ["a/run", "b/run", "other"]
+    assert any(line.startswith("a/run: ") for line in lines) and any(line.startswith("b/run: ") for line in lines)
+    figure = report_figure([score_run(run, 0.763, 5, 0.759, check=False) for run in (*runs, other)], 0.759)
+    accuracy = figure.axes[1]
+    assert [line.get_label() for line in accuracy.get_lines()][:3] == ["a/run", "b/run", "other"]
+    alone = score(runs[0], "--no-check", cwd=tmp_path).stdout.splitlines()  # a lone run: its folder's name
+    assert alone[1].split()[0] == "run"
