@@ -93,8 +93,8 @@ def _records_from_mllog(mllog: Path, log: _Log) -> list[dict]:
     for key in ("train_samples", "global_batch_size", "eval_samples"):
         if not isinstance(first.get(key), int):
             raise ScoreError(f"{missing} and {mllog} has no {key}: the images trained and evaluated cannot be counted")
-    stopped = {e["metadata"].get("epoch_num"): e["time_ms"] for e in events if e["key"] == "epoch_stop"}
-    unfinished = sorted({e["metadata"].get("epoch_num") for e in events if e["key"] == "epoch_start"} - set(stopped))
+    stopped = {(e.get("metadata") or {}).get("epoch_num"): e["time_ms"] for e in events if e["key"] == "epoch_stop"}
+    unfinished = sorted({(e.get("metadata") or {}).get("epoch_num") for e in events if e["key"] == "epoch_start"} - set(stopped))
     if unfinished:  # stopped mid-epoch (--max-steps): the steps taken in it are in metrics.jsonl only
         raise ScoreError(f"{missing} and {mllog} has no epoch_stop for epoch {unfinished[0]} before the run's end: "
                          "the images trained in it cannot be counted")
