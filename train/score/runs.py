@@ -93,8 +93,8 @@ def _records_from_mllog(mllog: Path, log: _Log) -> list[dict]:
     for key in ("train_samples", "global_batch_size", "eval_samples"):
         if not isinstance(first.get(key), int):
             raise ScoreError(f"{missing} and {mllog} has no {key}: the images trained and evaluated cannot be counted")
-    stopped = {(e.get("metadata") or {}).get("epoch_num"): e["time_ms"] for e in events if e["key"] == "epoch_stop"}
-    unfinished = sorted({(e.get("metadata") or {}).get("epoch_num") for e in events if e["key"] == "epoch_start"} - set(stopped))
+    stopped = {_epoch_num(e): e["time_ms"] for e in events if e["key"] == "epoch_stop"}
+    unfinished = sorted({_epoch_num(e) for e in events if e["key"] == "epoch_start"} - set(stopped))
     if unfinished:  # stopped mid-epoch (--max-steps): the steps taken in it are in metrics.jsonl only
         raise ScoreError(f"{missing} and {mllog} has no epoch_stop for epoch {unfinished[0]} before the run's end: "
                          "the images trained in it cannot be counted")
@@ -114,6 +114,10 @@ def _records_from_mllog(mllog: Path, log: _Log) -> list[dict]:
     records += [{"kind": "eval", "eval_images": first["eval_samples"], "time": e["time_ms"] / 1000}
                 for e in log.evals if e["time_ms"] <= log.end_ms]
     return records
+
+
+def _epoch_num(event: dict):
+    return (event.get("metadata") or {}).get("epoch_num")
 
 
 def _log_from_metrics(run_dir: Path, metrics: list[dict]) -> _Log:
