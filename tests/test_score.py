@@ -307,7 +307,7 @@ def test_each_problem_is_said_once_and_a_missing_path_is_named(tmp_path):
     (tmp_path / "empty").mkdir()
     result = score("runs/x", "empty", cwd=tmp_path)
     assert result.returncode == 2
-    assert result.stderr == "error: runs/x does not exist; empty holds no mllog.txt; is it a run directory?\n"
+    assert result.stderr == "error: runs/x does not exist; empty holds no mllog.txt or metrics.jsonl; is it a run directory?\n"
     make_run(tmp_path, "good", [(100, 0.76)], stop_s=100)
     partly = score("runs/x", "good", "--no-check", cwd=tmp_path)
     assert partly.returncode == 0 and partly.stderr == "warning: runs/x does not exist\n"
@@ -464,3 +464,129 @@ def test_a_long_run_does_not_squash_a_short_one(tmp_path):
     assert max(short_seconds) - min(short_seconds) >= 0.1 * throughput.bbox.width  # its 3 points spread out
     # its eval (epoch 0.2) stands apart from the long run's first (epoch 1)
     assert pixel_x(accuracy, "long")[0] - pixel_x(accuracy, "short")[0] >= 0.1 * accuracy.bbox.width
+
+
+@pytest.fixture(scope="module")
+def complete_run(tmp_path_factory):
+    """A real run of two epochs trained in full, its global batch halved for the second (--batch-schedule),
+    evaluated after each; its log ends with run_stop status success."""
+    root = tmp_path_factory.mktemp("complete")
+    trained = run_train("--out-dir", "done", "--arch", "resnet18", "--epochs", 2, "--batch-schedule", "1:32",
+                        "--workers", 0, "--log-every", 5, cwd=root)
+    assert trained.returncode == 0, trained.stderr
+    return root / "done"
+
+
+@pytest.fixture(scope="module")
+def resumed_run_real(tmp_path_factory):
+    """A real run of two epochs stopped by --max-steps after the first, then resumed to its end: two
+    segments in one mllog.txt, and it completed."""
+    root = tmp_path_factory.mktemp("resumed")
+    for flags in (("--arch", "resnet18", "--epochs", 2, "--max-steps", 15), ("--resume", "--max-steps", 0)):
+        trained = run_train("--out-dir", "again", *flags, "--workers", 0, "--log-every", 5, cwd=root)
+        assert trained.returncode == 0, trained.stderr
+    return root / "again"
+
+
+def copy_without(run, name, tmp_path):
+    """A copy of the run directory, of the same name, in tmp_path, without its file `name`."""
+    copy = tmp_path / run.name
+    shutil.copytree(run, copy)
+    (copy / name).unlink()
+    return copy
+
+
+def error_line(result, *words):
+    """The scorer refused: exit 2 and one `error:` line on stderr that says each of words."""
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+    assert all(word in lines[0] for word in words), lines[0]
+
+
+@pytest.mark.slow
+def test_a_run_without_metrics_is_scored_from_its_mllog_the_same(complete_run, tmp_path):
+    whole = json.loads(score(complete_run, "--json", cwd=tmp_path).stdout)
+    bare = copy_without(complete_run, "metrics.jsonl", tmp_path)
+    result = score(bare, "--json", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    got = json.loads(result.stdout)
+    last_eval = [json.loads(line) for line in (complete_run / "metrics.jsonl").read_text().splitlines()
+                 if '"kind": "eval"' in line][-1]
+    assert got["images"] == last_eval["images"] > 0  # what the trainer counted: both epochs, at their batches
+    for key in ("top1", "images", "throughput_img_s", "time_to_quality_s", "time_to_target_s", "total_flop",
+                "valid_flops", "status", "mlperf_compliant", "mlperf_verdict"):
+        assert got[key] == whole[key], key
+    assert whole["mlperf_compliant"] is True
+    assert any("metrics.jsonl is missing" in note for note in got["notes"])
+
+
+@pytest.mark.slow
+def test_a_run_without_metrics_whose_mllog_cannot_say_is_refused(max_steps_run, resumed_run_real, tmp_path):
+    # stopped 3 steps into its first epoch: mllog.txt has no epoch_stop to count its images by
+    error_line(score(copy_without(max_steps_run, "metrics.jsonl", tmp_path), cwd=tmp_path),
+               "metrics.jsonl is missing", "epoch_stop for epoch 1")
+    # resumed: the downtime between its segments is in metrics.jsonl only
+    error_line(score(copy_without(resumed_run_real, "metrics.jsonl", tmp_path), "--no-check", cwd=tmp_path),
+               "metrics.jsonl is missing", "resumed run (2 segments)")
+
+
+@pytest.mark.slow
+def test_a_run_without_mllog_is_scored_from_its_metrics_and_gets_no_verdict(complete_run, resumed_run_real, tmp_path):
+    for run in (complete_run, resumed_run_real):  # the resumed one: in training time, its downtime left out
+        bare = copy_without(run, "mllog.txt", tmp_path)
+        result = score(bare, "--json", cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        got = json.loads(result.stdout)
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        last_eval = [m for m in records if m["kind"] == "eval"][-1]
+        assert got["top1"] == last_eval["top1"] and got["images"] == last_eval["images"] > 0
+        assert got["time_to_quality_s"] == pytest.approx(last_eval["seconds"], abs=0.01)
+        assert got["throughput_img_s"] == pytest.approx(last_eval["images"] / last_eval["seconds"], rel=1e-3)
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        arch, size, classes = config["arch"], config["image_size"], config["num_classes"]
+        total = (last_eval["images"] * train_flops_per_image(arch, size, classes)
+                 + sum(m["eval_images"] for m in records if m["kind"] == "eval") * eval_flops_per_image(arch, size, classes))
+        assert got["total_flop"] == total
+        assert got["valid_flops"] == pytest.approx(total / got["time_to_quality_s"] * (got["top1"] / 0.763) ** 5)
+        assert got["mlperf_compliant"] is None and "mllog.txt is missing" in got["mlperf_verdict"]
+        table = score(bare, cwd=tmp_path)
+        assert table.returncode == 0 and table.stderr == ""
+        assert [line for line in table.stdout.splitlines() if "mllog.txt" in line] == [
+            f"{bare.name}: MLPerf: {got['mlperf_verdict']}"]  # what it cannot score, said once
+
+
+@pytest.mark.slow
+def test_a_resumed_run_that_completed_is_not_checkable_rather_than_failed(resumed_run_real, tmp_path):
+    from helpers import compliance
+    checked = compliance(resumed_run_real / "mllog.txt", cwd=tmp_path)  # the checker fails its repeated setup
+    assert "FAILED" in checked.stdout + checked.stderr and "submission_org" in checked.stdout + checked.stderr
+    for check in ([], ["--no-check"]):  # known without asking the checker
+        got = json.loads(score(resumed_run_real, "--json", *check, cwd=tmp_path).stdout)
+        assert got["status"] == "complete, resumed 1x"
+        assert got["mlperf_compliant"] is None
+        assert got["mlperf_verdict"] == "not checkable: resumed run (2 segments)"  # two starts of the trainer
+        assert "one uninterrupted run" in got["mlperf_reason"]
+    rows = score(resumed_run_real, cwd=tmp_path).stdout.splitlines()
+    assert "FAILED" not in rows[1] and rows[1].split()[-2] == "-"  # the MLPerf column
+    assert any(row.startswith("again: MLPerf: not checkable: resumed run (2 segments): the checker judges")
+               for row in rows), rows
+
+
+def test_runs_of_one_folder_name_are_told_apart_by_their_paths(tmp_path):
+    from train.score import report_figure, score_run
+    runs = []
+    for parent in ("a", "b"):
+        (tmp_path / parent).mkdir()
+        runs.append(make_run(tmp_path / parent, "run", [(100, 0.5)], stop_s=100))
+    other = make_run(tmp_path, "other", [(100, 0.5)], stop_s=100)
+    result = score(*runs, other, "--no-check", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert [line.split()[0] for line in lines[1:4]] == ["a/run", "b/run", "other"]
+    assert any(line.startswith("a/run: ") for line in lines) and any(line.startswith("b/run: ") for line in lines)
+    figure = report_figure([score_run(run, 0.763, 5, 0.759, check=False) for run in (*runs, other)], 0.759)
+    accuracy = figure.axes[1]
+    assert [line.get_label() for line in accuracy.get_lines()][:3] == ["a/run", "b/run", "other"]
+    alone = score(runs[0], "--no-check", cwd=tmp_path).stdout.splitlines()  # a lone run: its folder's name
+    assert alone[1].split()[0] == "run"

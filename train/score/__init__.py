@@ -19,7 +19,13 @@ a dotted line. The run's end is the last segment's run_stop; a last segment with
 The status (`complete`, `aborted`, `stopped at max-steps`, `preempted`, `crashed`) says how the run
 ended. Only a run that ended by itself (complete or aborted) gets the checker's MLPerf verdict; a run
 cut short gets none (`mlperf_compliant` null, `mlperf_verdict` saying why), whatever the checker would
-say of its log (it passes a --max-steps run's, which ends with run_stop status success).
+say of its log (it passes a --max-steps run's, which ends with run_stop status success). A resumed
+run (more than one start of the trainer in mllog.txt) is `not checkable`: the checker fails the setup
+each segment logs again. Without metrics.jsonl, the images are counted from mllog.txt (train_samples,
+the global batches, epoch_stop; eval_samples per eval); where that cannot be done (a run stopped
+mid-epoch, a resumed one) the run is refused. Without mllog.txt, a run is scored from metrics.jsonl
+to its last eval, status `unknown`, and gets no verdict. Runs are named by the shortest ending of
+their path that tells them apart (a/run, b/run).
 
 The modules: logs (reading a run directory), flops (FLOP counts, Valid FLOPS), mlperf (the
 compliance checker, the olympic mean), level (the HPC AI500 level), runs (a run or a published

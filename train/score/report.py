@@ -2,6 +2,7 @@
 of each run)."""
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,19 @@ def throughput_series(metrics: list[dict]) -> tuple[list[list[tuple[float, float
         elif m.get("kind") in kinds and "img_per_s" in m:
             segments[-1].append((m["seconds"], m["img_per_s"]))
     return [segment for segment in segments if segment], resumes
+
+
+def run_names(scores: list[Score]) -> list[str]:
+    """Each run's name: the shortest ending of its path that no other run's path ends alike (runs a/run
+    and b/run, not run twice); a lone run is its folder's name."""
+    paths = [Path(os.path.abspath(s.run)).parts for s in scores]  # (abspath: "." and "x/.." get their names)
+    names = []
+    for number, parts in enumerate(paths):
+        others = [other for n, other in enumerate(paths) if n != number]
+        length = next((k for k in range(1, len(parts)) if all(other[-k:] != parts[-k:] for other in others)),
+                      len(parts))  # all of it when no ending is its own (one run given twice)
+        names.append(scores[number].run if length == len(parts) else "/".join(parts[-length:]))
+    return names
 
 
 # Each run's colour, marker and line style: where runs coincide, their markers of different shapes nest,
@@ -59,10 +73,9 @@ def report_figure(scores: list[Score], target: float):
     import matplotlib.pyplot as plt
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
     seconds_spans, epoch_spans = [], []
-    for number, s in enumerate(scores):
+    for number, (s, name) in enumerate(zip(scores, run_names(scores))):
         metrics = read_metrics(Path(s.run), [])
         evals, style = eval_points(metrics), run_style(number)
-        name = Path(s.run).name
         seconds_spans.append(_draw_throughput(left, metrics, name, style))
         right.plot([epoch for epoch, _ in evals], [top1 for _, top1 in evals], label=name, **style)
         epoch_spans.append(max((epoch for epoch, _ in evals), default=0))
@@ -129,22 +142,24 @@ def table(scores: list[Score]) -> str:
     """One row per score, then each run's checker failure, level and notes."""
     rows = [("run", "status", "time s", "wall s", "to 75.9% s", "images", "img/s", "top-1", "total FLOP", "FLOPS",
              "Valid FLOPS", "MLPerf", "AI500 level")]
-    for s in scores:
-        rows.append((Path(s.run).name, s.status, f"{s.time_to_quality_s:.1f}", f"{s.wall_time_s:.1f}",
+    names = run_names(scores)
+    for s, name in zip(scores, names):
+        rows.append((name, s.status, f"{s.time_to_quality_s:.1f}", f"{s.wall_time_s:.1f}",
                      "-" if s.time_to_target_s is None else f"{s.time_to_target_s:.1f}", f"{s.images:,}",
                      f"{s.throughput_img_s:.1f}", f"{s.top1:.4f}", f"{s.total_flop:.3e}", f"{s.flops:.3e}",
                      f"{s.valid_flops:.3e}", {True: "SUCCESS", False: "FAILED", None: "-"}[s.mlperf_compliant],
                      s.hpc_ai500_level or "-"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
-    for s in scores:
+    for s, name in zip(scores, names):
         if s.mlperf_compliant is False:
-            lines.append(f"{Path(s.run).name}: MLPerf checker: {s.mlperf_verdict}")
-        elif s.mlperf_verdict.startswith("no verdict"):  # a run cut short: why the MLPerf column says -
-            lines.append(f"{Path(s.run).name}: MLPerf: {s.mlperf_verdict}")
+            lines.append(f"{name}: MLPerf checker: {s.mlperf_verdict}")
+        elif s.mlperf_compliant is None and s.mlperf_reason not in ("", "--no-check"):  # why the column says -
+            why = "" if s.mlperf_verdict.endswith(s.mlperf_reason) else f": {s.mlperf_reason}"
+            lines.append(f"{name}: MLPerf: {s.mlperf_verdict}{why}")
         if s.level_reason:
-            lines.append(f"{Path(s.run).name}: HPC AI500 level {s.hpc_ai500_level}: {s.level_reason}")
-        lines += [f"{Path(s.run).name}: {note}" for note in s.notes]
+            lines.append(f"{name}: HPC AI500 level {s.hpc_ai500_level}: {s.level_reason}")
+        lines += [f"{name}: {note}" for note in s.notes]
     return "\n".join(lines)
 
 

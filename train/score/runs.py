@@ -32,6 +32,7 @@ class Score:
     valid_flops: float
     mlperf_compliant: bool | None = None
     mlperf_verdict: str = ""
+    mlperf_reason: str = ""  # why the checker gave no verdict (mlperf_compliant null); "" when it did
     time_to_target_s: float | None = None
     reached_target: bool | None = None
     training_time_s: float | None = None
@@ -46,12 +47,15 @@ class Score:
 @dataclass
 class _Log:
     """What mllog.txt says of a run: the run_start of each segment (ms), its evals, its end and status
-    (crashed: the last segment has no run_stop), and its training images per epoch (train_samples)."""
+    (crashed: the last segment has no run_stop), its training images per epoch (train_samples), how
+    many times the trainer began writing it (segments) and all its events."""
     starts: list[float]
     evals: list[dict]
     end_ms: float
     status: str
     train_images: int | None = None
+    segments: int = 1
+    events: list = field(default_factory=list)
 
 
 def _read_log(mllog: Path, notes: list) -> _Log:
@@ -60,21 +64,81 @@ def _read_log(mllog: Path, notes: list) -> _Log:
     evals = [e for e in events if e["key"] == "eval_accuracy"]
     if not starts:
         raise ScoreError(f"{mllog} has no run_start; the run never began training")
+    # Each start of the trainer appends its setup to the log, from init_start on (train/runlog.py), even
+    # one that fails before run_start; a hand-made log may have run_start alone.
+    segments = max(sum(e["key"] == "init_start" for e in events), len(starts))
     # One run_start per segment of a resumed run: only the last segment's run_stop ends the run.
     stops = [e for e in events if e["key"] == "run_stop" and e["time_ms"] >= starts[-1]]
     if not evals:
         raise ScoreError(f"{mllog} has no eval_accuracy; the run never evaluated, so it has no quality to score")
     train_images = next((e["value"] for e in events if e["key"] == "train_samples"), None)
     if not stops:
-        return _Log(starts, evals, evals[-1]["time_ms"], "crashed", train_images)
+        return _Log(starts, evals, evals[-1]["time_ms"], "crashed", train_images, segments, events)
     status = "complete" if stops[-1].get("metadata", {}).get("status") == "success" else "aborted"
-    return _Log(starts, evals, stops[-1]["time_ms"], status, train_images)
+    return _Log(starts, evals, stops[-1]["time_ms"], status, train_images, segments, events)
+
+
+def _records_from_mllog(mllog: Path, log: _Log) -> list[dict]:
+    """Stand-ins for the metrics.jsonl records the score reads, counted from mllog.txt when metrics.jsonl
+    is missing: an `epoch` record (step, epoch, images) at each epoch_stop and an `eval` record
+    (eval_samples images) at each eval, up to the run's end; ScoreError naming what cannot be counted."""
+    missing = f"{mllog.parent / 'metrics.jsonl'} is missing"
+    if log.segments > 1:
+        raise ScoreError(f"{missing} and {mllog} holds a resumed run ({log.segments} segments): its training time "
+                         "needs the downtime between segments, which only metrics.jsonl's resume records hold")
+    events = [e for e in log.events if e["time_ms"] <= log.end_ms]
+    first = {}  # the first value of each setup key
+    for e in events:
+        first.setdefault(e["key"], e["value"])
+    for key in ("train_samples", "global_batch_size", "eval_samples"):
+        if not isinstance(first.get(key), int):
+            raise ScoreError(f"{missing} and {mllog} has no {key}: the images trained and evaluated cannot be counted")
+    stopped = {_epoch_num(e): e["time_ms"] for e in events if e["key"] == "epoch_stop"}
+    unfinished = sorted({_epoch_num(e) for e in events if e["key"] == "epoch_start"} - set(stopped))
+    if unfinished:  # stopped mid-epoch (--max-steps): the steps taken in it are in metrics.jsonl only
+        raise ScoreError(f"{missing} and {mllog} has no epoch_stop for epoch {unfinished[0]} before the run's end: "
+                         "the images trained in it cannot be counted")
+    # A global_batch_size with an epoch_num is a --batch-schedule change from that epoch (1-based) on.
+    changes = [(e["metadata"]["epoch_num"] - 1, e["value"]) for e in events
+               if e["key"] == "global_batch_size" and "epoch_num" in e.get("metadata", {})]
+    try:
+        clock = EpochClock(first["train_samples"], first["global_batch_size"], changes)
+    except ValueError as err:
+        raise ScoreError(f"{missing} and {mllog} cannot be counted from: {err}") from None
+    records, step, images = [], 0, 0
+    for epoch in range(1, max(stopped, default=0) + 1):  # epochs run from 1, each after the one before
+        step += clock.steps_in(epoch - 1)
+        images += clock.steps_in(epoch - 1) * clock.global_batch(epoch - 1)
+        records.append({"kind": "epoch", "step": step, "epoch": epoch, "images": images,
+                        "time": stopped.get(epoch, 0) / 1000})
+    records += [{"kind": "eval", "eval_images": first["eval_samples"], "time": e["time_ms"] / 1000}
+                for e in log.evals if e["time_ms"] <= log.end_ms]
+    return records
+
+
+def _epoch_num(event: dict):
+    return (event.get("metadata") or {}).get("epoch_num")
+
+
+def _log_from_metrics(run_dir: Path, metrics: list[dict]) -> _Log:
+    """What metrics.jsonl says in place of a missing mllog.txt: its run_start (the wall-clock time of its
+    first record less the training seconds it gives) and its evals; the run ends at its last eval, as
+    nothing there says how or when it stopped (status "unknown")."""
+    evals = [{"time_ms": m["time"] * 1000, "value": m["top1"]} for m in metrics if m.get("kind") == "eval"]
+    if not evals:
+        raise ScoreError(f"{run_dir} holds no mllog.txt and its metrics.jsonl has no eval record; the run never "
+                         "evaluated, so it has no quality to score")
+    first = next(m for m in metrics if "seconds" in m and "time" in m)  # (an eval record has both)
+    return _Log([(first["time"] - first["seconds"]) * 1000], evals, evals[-1]["time_ms"], "unknown")
 
 
 def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, notes: list) -> tuple[str, str]:
     """The run's status, and why it gets no MLPerf verdict ("" when the checker judges it). Only a run
     that ended by itself (its epochs trained, its target reached, or stopped by the trainer: complete
     or aborted) is a result; one cut short gets no verdict, whatever the checker would say of its log."""
+    if log.status == "unknown":
+        return "unknown", ("no verdict: mllog.txt is missing, and the MLPerf verdict needs it; timed by metrics.jsonl "
+                           "to its last eval")
     if log.status == "crashed":
         marker = run_dir / PREEMPTED_MARKER
         if marker.is_file():  # written beside checkpoint.pt by a run stopped by a signal; a resume removes it
@@ -93,6 +157,19 @@ def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, n
         return "stopped at max-steps", (f"no verdict: stopped at max-steps, {cut_short}; a result trains its epochs "
                                         "or reaches its target")
     return log.status, ""
+
+
+def _mlperf_verdict(mllog: Path, log: _Log, no_verdict: str, check: bool) -> tuple[bool | None, str, str]:
+    """(compliant, verdict, why there is none): the checker's, or None and why it is not asked."""
+    if no_verdict:
+        return None, no_verdict, no_verdict.removeprefix("no verdict: ")
+    if log.segments > 1:  # the checker would fail it on the repeated setup keys, whatever the run was
+        return None, f"not checkable: resumed run ({log.segments} segments)", (
+            "the checker judges the log of one uninterrupted run; each segment of a resumed run logs the run's "
+            "setup again (submission_org and the other setup keys), which it fails")
+    if not check:
+        return None, "not checked", "--no-check"
+    return (*compliance(mllog), "")
 
 
 def _max_steps_stop(config: dict, metrics: list[dict], log: _Log) -> str:
@@ -132,12 +209,19 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     mllog = run_dir / "mllog.txt"
     if not run_dir.exists():
         raise ScoreError(f"{run_dir} does not exist")
-    if not mllog.is_file():
-        raise ScoreError(f"{run_dir} holds no mllog.txt; is it a run directory?")
     notes: list[str] = []
     config = read_config(run_dir)
-    log = _read_log(mllog, notes)
     metrics = read_metrics(run_dir, notes)
+    if not mllog.is_file():
+        if not metrics:
+            raise ScoreError(f"{run_dir} holds no mllog.txt or metrics.jsonl; is it a run directory?")
+        log = _log_from_metrics(run_dir, metrics)
+    else:
+        log = _read_log(mllog, notes)
+    if not metrics:  # the images and evaluations are counted from mllog.txt instead, or not at all
+        metrics = _records_from_mllog(mllog, log)
+        notes.append("metrics.jsonl is missing: images trained and evaluated counted from mllog.txt (train_samples, "
+                     "global_batch_size, epoch_stop, eval_samples)")
     resumes = [m for m in metrics if m.get("kind") == "resume"]
     run_start = log.starts[0]
     wall_seconds, seconds = (log.end_ms - run_start) / 1000, training_seconds(log.end_ms, run_start, resumes)
@@ -154,11 +238,11 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     total_flop = run_flop(config, images, eval_images)
     flops = total_flop / seconds
     level, reason = hpc_ai500_level(config)
-    verdict = (None, no_verdict) if no_verdict else compliance(mllog) if check else (None, "not checked")
+    verdict = _mlperf_verdict(mllog, log, no_verdict, check)
     return Score(run=str(run_dir), time_to_quality_s=round(seconds, 3), images=images,
                  throughput_img_s=round(images / seconds, 2), top1=top1, total_flop=total_flop, flops=flops,
                  valid_flops=valid_flops(flops, top1, target, power), mlperf_compliant=verdict[0],
-                 mlperf_verdict=verdict[1], reached_target=bool(reached),
+                 mlperf_verdict=verdict[1], mlperf_reason=verdict[2], reached_target=bool(reached),
                  time_to_target_s=round(training_seconds(reached[0]["time_ms"], run_start, resumes), 3) if reached else None,
                  training_time_s=round(seconds, 3), wall_time_s=round(wall_seconds, 3), status=status,
                  hpc_ai500_level=level, level_reason=reason,
