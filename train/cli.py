@@ -183,7 +183,7 @@ BOUNDS = {
     "workers": ZERO_OR_MORE, "threads": ZERO_OR_MORE, "image_size": (lambda v: v >= 16, "at least 16"),
     "crop_min_scale": (lambda v: 0 < v <= 1, "in (0, 1]"), "crop_max_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "crop_min_aspect": ABOVE_0, "crop_max_aspect": ABOVE_0,
-    "synthetic_images": AT_LEAST_1, "synthetic_val_images": AT_LEAST_1, "synthetic_classes": AT_LEAST_1,
+    "synthetic_images": AT_LEAST_1, "synthetic_val_images": ZERO_OR_MORE, "synthetic_classes": AT_LEAST_1,
     "num_classes": ZERO_OR_MORE, "bn_group_size": ZERO_OR_MORE, "bn_recompute_batches": ZERO_OR_MORE,
     "batch_size": (lambda v: v >= 0, "positive"), "global_batch_size": (lambda v: v >= 0, "positive"),
     "epochs": (lambda v: v >= 1, "positive"), "lr": ZERO_OR_MORE, "lr_per_256": ZERO_OR_MORE,
@@ -253,6 +253,10 @@ def _check_combinations(cfg: Config) -> None:
     _need(not cfg.lars_compile or cfg.optimizer == "lars", "--lars-compile needs --optimizer lars")
     _need(not cfg.checkpoint or cfg.test_only, f"--checkpoint {cfg.checkpoint} names what --test-only evaluates; "
           "to start a run from its weights, give --init-from")
+    if not cfg.checkpoints:  # (what would be written, asked for by name)
+        asked = [flag for flag, value in (("--keep-checkpoints", cfg.keep_checkpoints), ("--checkpoint-every-steps",
+                 cfg.checkpoint_every_steps), ("--checkpoint-every-minutes", cfg.checkpoint_every_minutes)) if value]
+        _need(not asked, f"{asked[0] if asked else ''} writes checkpoints, which --no-checkpoints turns off; drop one of them")
     _need(cfg.division == "open" or (not cfg.batch_schedule and cfg.optimizer in ("lars", "sgd")
                                      and cfg.lr_schedule == "warmup-poly"),
           "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "

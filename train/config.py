@@ -23,7 +23,7 @@ class Config:
     crop_min_aspect: float = field(default=3 / 4, metadata={"help": "smallest aspect ratio of random-resized-crop"})
     crop_max_aspect: float = field(default=4 / 3, metadata={"help": "largest aspect ratio of random-resized-crop"})
     synthetic_images: int = field(default=1_281_167, metadata={"help": "training-set size of --loader synthetic"})
-    synthetic_val_images: int = field(default=50_000, metadata={"help": "validation-set size of --loader synthetic"})
+    synthetic_val_images: int = field(default=50_000, metadata={"help": "validation-set size of --loader synthetic (0: none, and no evaluation)"})
     synthetic_classes: int = field(default=1000, metadata={"help": "classes of --loader synthetic"})
     num_classes: int = field(default=0, metadata={"help": "classes the data must have (0: as many as it has); a run records its count in config.yaml"})
     # model
@@ -83,6 +83,7 @@ class Config:
     max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})
     log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
     tensorboard: bool = field(default=True, metadata={"help": "also write the train, epoch and eval records as TensorBoard scalars into RUN/tensorboard (rank 0) (default: on where the tensorboard package is installed)"})
+    checkpoints: bool = field(default=True, metadata={"help": "write checkpoint.pt (--no-checkpoints: nothing but the logs, no checkpoint and no kept copy; a restarted run then starts again from step 0)"})
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
     checkpoint_every_steps: int = field(default=0, metadata={"help": "also checkpoint every N optimizer steps, written in the background (0: never)"})
     checkpoint_every_minutes: float = field(default=0.0, metadata={"help": "also checkpoint every M minutes of training (rank 0's clock, agreed by all ranks), written in the background (0: never)"})

@@ -227,7 +227,7 @@ class Training:
         for images, labels in batches:
             self.ledger.add(self.loader.last_positions)
             loss = self.train_step(images, labels)
-            if self.host_memory_unreserved and engine.rank == 0:  # after a step: the optimizer has its state
+            if self.host_memory_unreserved and engine.rank == 0 and cfg.checkpoints:  # after a step: the optimizer has its state
                 reserve(self.state_dict(self.ledger.saved))
                 self.host_memory_unreserved = False
             self.recent.add(images)
@@ -346,7 +346,7 @@ class Training:
         samples = self.ledger.total(self.engine)
         s.skipped_in_epoch |= self._skipped("training")  # (a resume in this epoch counts on from these)
         problem = None
-        if self.engine.rank == 0:
+        if self.engine.rank == 0 and self.cfg.checkpoints:  # (--no-checkpoints: nothing written)
             try:
                 self._wait_for_write()
                 copied = time.time()
@@ -385,15 +385,19 @@ class Training:
 
     def _kept(self) -> str:
         """What a stopped run leaves to continue from, for its last line."""
+        off = "" if self.cfg.checkpoints else "this run writes no checkpoint (--no-checkpoints); "
         try:
-            return f"the last good checkpoint (step {checkpoint.peek(self.out_dir / 'checkpoint.pt')['step']}) is kept in {self.out_dir}"
+            return f"{off}the last good checkpoint (step {checkpoint.peek(self.out_dir / 'checkpoint.pt')['step']}) is kept in {self.out_dir}"
         except (OSError, UsageError):  # none yet (or none readable): the run starts again from step 0
-            return f"no checkpoint was written yet in {self.out_dir}"
+            return f"{off}no checkpoint was written in {self.out_dir}: the same command starts the run again from step 0" \
+                if off else f"no checkpoint was written yet in {self.out_dir}"
 
     def _preempt(self) -> None:
         self.save(wait=True)
         step = self.state.step
-        if self.engine.rank == 0:
+        if self.engine.rank == 0 and not self.cfg.checkpoints:
+            print(f"preempted at step {step}: {self._kept()}", file=sys.stderr, flush=True)
+        elif self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).write_text(f"step {step}\n")
             # said before any rank exits: a launcher tears the other ranks down at the first exit
             print(f"preempted at step {step}: checkpoint written to {self.out_dir}; start the same command"

@@ -117,6 +117,8 @@ def prepare_evaluation(cfg: Config) -> tuple:
                                      precision=precision.name)
         name, _ = choose_loader(cfg.loader, cfg.dali_decode, engine.device)
         loader = build_loader(name, settings, engine.rank, engine.world_size, engine.device)
+        if not loader.val_images:
+            raise UsageError("--test-only needs validation images, and --synthetic-val-images is 0; give more")
         state = checkpoint.load(saved, engine.device)
         check_evaluated(state, cfg, loader, saved, data_dir)
         return precision, loader, state
@@ -196,6 +198,8 @@ def checked_setup(cfg: Config, engine):
         raise UsageError(f"{data_dir or 'the synthetic data'} has {loader.num_classes} classes, the run "
                          f"{cfg.num_classes}; check --data-dir (or --num-classes)")
     cfg = dataclasses.replace(cfg, num_classes=loader.num_classes)  # recorded in config.yaml
+    if not loader.val_images:  # (--synthetic-val-images 0) nothing to evaluate: no evaluation at all
+        cfg = dataclasses.replace(cfg, eval_every=0)
     check_batch_phases(cfg, engine.world_size, loader.train_images)
     init = init_weights(cfg) if cfg.init_from and not cfg.resume else None  # loaded into the model by the loop
     # read-only checks of the run directory: rank 0's verdict reaches the others through agreed(); under
