@@ -35,10 +35,11 @@ from train.startup import Setup, prepare
 from train.stopping import Agreements, StopSignal
 
 
-def run(cfg: Config) -> dict:
+def run(cfg: Config, step_timer=None) -> dict:
+    """`step_timer`: python -m train.bench's timing of each step (train/bench.py StepTimer); None in a run."""
     setup = prepare(cfg)  # train/startup.py: everything that can fail, before the run's first step
     try:
-        return _train(Training(setup))
+        return _train(Training(setup, step_timer))
     finally:  # the run directory is free for the next job however this one ends (a killed one's lock goes stale)
         if setup.lock:
             setup.lock.release()
@@ -86,7 +87,7 @@ class RunState:
 class Training:
     """A run's parts (engine, loader, model, optimizer, precision, schedule, log) and its state."""
 
-    def __init__(self, setup: Setup):
+    def __init__(self, setup: Setup, step_timer=None):
         self.setup = setup
         cfg, engine, loader = setup.cfg, setup.engine, setup.loader
         self.cfg, self.engine, self.loader, self.precision = cfg, engine, loader, setup.precision
@@ -111,6 +112,9 @@ class Training:
         self.agreements = Agreements(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.restart_flags = setup.restart_flags
+        # python -m train.bench only: each step's wait for its batch and its compute, the device synchronised
+        # around them (a run never waits for the device in its steps)
+        self.step_timer = step_timer.attach(engine) if step_timer else None
         self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
         self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: host_memory.reserve)
         if setup.init:  # --init-from's weights, checked at start-up; every rank loads the same
@@ -222,11 +226,15 @@ class Training:
         self.log.epoch_start(s.epoch + 1, fresh=s.step_in_epoch == 0)
         self.model.train()
         window, self.epoch_meter = LossMeter(engine.device), LossMeter(engine.device)
-        batches = progress(self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch)),
-                           self.loader.steps_per_epoch - s.step_in_epoch, engine.rank == 0, f"epoch {s.epoch + 1}")
+        batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
+        if self.step_timer:  # (bench: the wait for each batch, timed)
+            batches = self.step_timer.timed(batches)
+        batches = progress(batches, self.loader.steps_per_epoch - s.step_in_epoch, engine.rank == 0, f"epoch {s.epoch + 1}")
         for images, labels in batches:
             self.ledger.add(self.loader.last_positions)
             loss = self.train_step(images, labels)
+            if self.step_timer:  # (bench: the step's compute, timed to its end on the device)
+                self.step_timer.step_end(s.step)
             if self.host_memory_unreserved and engine.rank == 0 and cfg.checkpoints:  # after a step: the optimizer has its state
                 reserve(self.state_dict(self.ledger.saved))
                 self.host_memory_unreserved = False

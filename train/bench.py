@@ -1,0 +1,393 @@
+"""`python -m train.bench train|infer ...`: how fast the trainer's own step runs, and how fast the
+trained model answers (docs/bench.md).
+
+train [any flag of python -m train]: the run's own loop (train/loop.py) for --warmup-steps then
+--steps measured steps, on --loader synthetic by default (the user's data with --data-dir, the
+embedded dataset for another loader without one), with no evaluation and no checkpoint. A StepTimer
+given to the loop times each step's wait for its batch and its compute; it synchronises the device
+around them, which only the bench does (a run never waits for the device in its steps). Per-rank
+figures are gathered at the last measured step; rank 0 prints the table and writes the report.
+
+infer [CHECKPOINT_OR_RUN]: latency percentiles and images/s per batch size for each backend (eager,
+compile: torch.compile, onnxruntime), in the run's precision (an untrained --arch without a source),
+the device synchronised around each timed call; a table, the JSON report and a PNG beside it.
+"""
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from train.errors import UsageError
+
+TRAIN_KEYS = ("images_per_s", "images_per_s_per_rank", "data_wait_ms_p50", "data_wait_ms_p95", "compute_ms_p50",
+              "compute_ms_p95", "input_bound", "steps", "ranks")
+INPUT_BOUND_SHARE = 0.10  # input bound: the median wait for data is more than this share of the median step
+BACKENDS = ("eager", "compile", "onnxruntime")
+PERCENTILES = (50, 90, 95, 99)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, like the trainer
+        raise UsageError(f"{message}; see python -m train.bench {self.prog.split()[-1]} --help")
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+# train ---------------------------------------------------------------------------------------------
+class StepTimer:
+    """Each step's wait for its batch (from asking the loader to the batch being on the device) and its
+    compute (from then to the step's end on the device), in seconds, on this rank; after the last
+    measured step, every rank's measured steps gathered (`ranks`: one list of steps per rank)."""
+
+    def __init__(self, warmup_steps: int, steps: int):
+        self.warmup_steps, self.steps = warmup_steps, steps
+        self.records: list[tuple[float, float, int]] = []  # (wait, compute, images) per step
+        self.ranks: list | None = None
+        self._got = self._images = 0
+
+    def attach(self, engine) -> "StepTimer":
+        self.engine = engine
+        return self
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)
+
+    def timed(self, batches):
+        """The loader's batches, each one's wait timed (its work on the device included)."""
+        iterator = iter(batches)
+        try:
+            while True:
+                asked = time.perf_counter()
+                try:
+                    images, labels = next(iterator)
+                except StopIteration:
+                    return
+                self._sync()
+                self._got, self._images = time.perf_counter(), labels.shape[0]
+                self.records.append((self._got - asked, 0.0, self._images))
+                yield images, labels
+        finally:
+            getattr(iterator, "close", lambda: None)()
+
+    def step_end(self, step: int) -> None:
+        self._sync()
+        wait = self.records[-1][0]
+        self.records[-1] = (wait, time.perf_counter() - self._got, self._images)
+        if step == self.warmup_steps + self.steps:  # (every rank is here: a collective is safe)
+            self.ranks = self.engine.gather_object(self.records[self.warmup_steps:])
+
+
+def train_report(ranks: list[list[tuple[float, float, int]]]) -> dict:
+    """The report from every rank's measured steps: per step the slowest rank's wait and compute (a step
+    is as slow as its slowest rank), their percentiles, and images/s over the steps' time."""
+    waits = np.array([[wait for wait, _, _ in steps] for steps in ranks]).max(axis=0)
+    computes = np.array([[compute for _, compute, _ in steps] for steps in ranks]).max(axis=0)
+    images = sum(n for steps in ranks for _, _, n in steps)
+    step_s = np.array([[wait + compute for wait, compute, _ in steps] for steps in ranks]).max(axis=0)
+    per_s = images / float(step_s.sum())
+    wait_p50, compute_p50 = (float(np.percentile(x, 50)) for x in (waits, computes))
+    return {"images_per_s": round(per_s, 2), "images_per_s_per_rank": round(per_s / len(ranks), 2),
+            "data_wait_ms_p50": round(wait_p50 * 1e3, 3), "data_wait_ms_p95": round(float(np.percentile(waits, 95)) * 1e3, 3),
+            "compute_ms_p50": round(compute_p50 * 1e3, 3), "compute_ms_p95": round(float(np.percentile(computes, 95)) * 1e3, 3),
+            "input_bound": bool(wait_p50 > INPUT_BOUND_SHARE * (wait_p50 + compute_p50)),
+            "steps": len(waits), "ranks": len(ranks)}
+
+
+# flags of python -m train that the bench sets itself
+BENCH_OWNS = {"--max-steps": "--warmup-steps + --steps", "--resume": "a benchmark resumes nothing",
+              "--test-only": "infer measures a trained model", "--show-recipe": "a benchmark trains",
+              "--eval-every": "a benchmark does not evaluate", "--checkpoints": "a benchmark writes no checkpoint"}
+
+
+def _given(argv: list[str], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
+
+
+def _values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] if arg == flag else arg.split("=", 1)[1] for i, arg in enumerate(argv)
+            if (arg == flag and i + 1 < len(argv)) or arg.startswith(flag + "=")]
+
+
+def bench_train(argv: list[str]) -> int:
+    from train.cli import parse
+    from train.engines import detect_launch
+    from train.loop import run
+
+    p = _Parser(prog="python -m train.bench train", description="Time the trainer's own step; every other flag is "
+                "python -m train's (python -m train --help).", allow_abbrev=False)
+    p.add_argument("--warmup-steps", type=_positive, default=5, help="steps run before the measured ones (default: 5)")
+    p.add_argument("--steps", type=_positive, default=20, help="measured steps (default: 20)")
+    p.add_argument("--report", default="bench-train.json", help="the JSON report rank 0 writes (default: bench-train.json)")
+    ours, rest = p.parse_known_args(argv)
+    for flag, why in BENCH_OWNS.items():
+        if _given(rest, flag):
+            raise UsageError(f"{flag} is the benchmark's to set ({why}); drop it")
+    synthetic = not (_given(rest, "--loader") or _given(rest, "--data-dir")) or "synthetic" in _values(rest, "--loader")
+    defaults = [] if _given(rest, "--loader") or _given(rest, "--data-dir") else ["--loader", "synthetic"]
+    defaults += ["--synthetic-val-images", "0"] if synthetic and not _given(rest, "--synthetic-val-images") else []
+    defaults += [] if _given(rest, "--log-every") else ["--log-every", str(10 ** 9)]  # (no logging point measured)
+    defaults += [] if _given(rest, "--tensorboard") or _given(rest, "--no-tensorboard") else ["--no-tensorboard"]
+    rank = detect_launch().rank
+    kept = _given(rest, "--out-dir")  # the logs of the benchmark's run are kept there; else in a folder removed after
+    scratch = None if kept else (Path(tempfile.mkdtemp(prefix="trainer-bench-")) if rank == 0 else
+                                 Path(tempfile.gettempdir()) / f"trainer-bench-rank{rank}")  # (only rank 0 writes)
+    out = [] if kept else ["--out-dir", str(scratch / "run")]
+    cfg = parse([*defaults, *rest, *out, "--no-checkpoints", "--eval-every", "0",
+                 "--max-steps", str(ours.warmup_steps + ours.steps)])
+    timer = StepTimer(ours.warmup_steps, ours.steps)
+    try:
+        run(cfg, step_timer=timer)
+    finally:
+        if scratch is not None and rank == 0:
+            shutil.rmtree(scratch, ignore_errors=True)
+    if timer.ranks is None:  # (alike on every rank: the run's length is the same everywhere)
+        raise UsageError(f"the run ended after {len(timer.records)} step(s), before {ours.warmup_steps} warm-up and "
+                         f"{ours.steps} measured steps; raise --epochs or lower --steps")
+    if timer.engine.rank != 0:
+        return 0
+    report = train_report(timer.ranks)
+    per_rank_batch = timer.ranks[0][0][2]
+    print(f"\nbenchmark: {cfg.arch} at {cfg.image_size} px, {report['ranks']} rank(s) x batch {per_rank_batch}, "
+          f"{cfg.loader} loader, {report['steps']} measured steps after {ours.warmup_steps} warm-up")
+    print(f"{'per step':12s} {'p50 ms':>10s} {'p95 ms':>10s}")
+    print(f"{'data wait':12s} {report['data_wait_ms_p50']:10.2f} {report['data_wait_ms_p95']:10.2f}")
+    print(f"{'compute':12s} {report['compute_ms_p50']:10.2f} {report['compute_ms_p95']:10.2f}")
+    print(f"images/s {report['images_per_s']:.1f} in total, {report['images_per_s_per_rank']:.1f} per rank; input bound: "
+          f"{'yes' if report['input_bound'] else 'no'} (data wait {'over' if report['input_bound'] else 'at most'} "
+          f"{INPUT_BOUND_SHARE:.0%} of the step)")
+    _write_json(Path(ours.report), report)
+    print(f"report: {ours.report}")
+    return 0
+
+
+def _write_json(path: Path, value: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(value, indent=2) + "\n")
+    except OSError as err:
+        raise UsageError(f"cannot write the report {path} ({err.strerror or err}); give a writable --report") from None
+
+
+# infer ---------------------------------------------------------------------------------------------
+def bench_infer(argv: list[str]) -> int:
+    from models import ARCHS, build_model
+    from train.precision import PRECISIONS, Precision
+
+    p = _Parser(prog="python -m train.bench infer", description="Time inference of a trained model (or an untrained "
+                "--arch) per batch size and backend.", allow_abbrev=False)
+    p.add_argument("source", nargs="?", default="", help="a checkpoint file or a run directory (default: an untrained "
+                   "--arch at --image-size)")
+    p.add_argument("--arch", default="resnet50", choices=tuple(ARCHS), help="the untrained model's (default: resnet50)")
+    p.add_argument("--image-size", type=_positive, default=224, help="the untrained model's input size (default: 224)")
+    p.add_argument("--num-classes", type=_positive, default=1000, help="the untrained model's classes (default: 1000)")
+    p.add_argument("--precision", default="", choices=("", *PRECISIONS), help="default: the run's (auto for an "
+                   "untrained model: by the device, as a run chooses)")
+    p.add_argument("--batch-sizes", default="1,8,32,128,256", help="comma-separated (default: 1,8,32,128,256)")
+    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, of {', '.join(BACKENDS)} (default: "
+                   "all; onnxruntime left out with a note where it is not installed, unless named)")
+    p.add_argument("--warmup-iterations", type=_positive, default=5, help="untimed calls per batch size first (default: 5)")
+    p.add_argument("--iterations", type=_positive, default=30, help="timed calls per batch size (default: 30)")
+    p.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: torch's default)")
+    p.add_argument("--report", default="bench-infer.json", help="the JSON report; the PNG is written beside it with "
+                   "the same name (default: bench-infer.json)")
+    args = p.parse_args(argv)
+    batch_sizes = _batch_sizes(args.batch_sizes)
+    backends = [name.strip() for name in args.backends.split(",") if name.strip()]
+    unknown = [name for name in backends if name not in BACKENDS]
+    if unknown or not backends:
+        raise UsageError(f"unknown backend {unknown[0] if unknown else repr(args.backends)}; choose from {', '.join(BACKENDS)}")
+    if "onnxruntime" in backends:
+        missing = _onnx_missing()
+        if missing and _given(argv, "--backends"):
+            raise UsageError(f"the onnxruntime backend needs {missing}; install it or leave onnxruntime out of --backends")
+        if missing:
+            print(f"note: onnxruntime left out: it needs {missing}", file=sys.stderr)
+            backends.remove("onnxruntime")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.source:
+        model, image_size, precision_name, what = _trained(args.source, device)
+    else:
+        torch.manual_seed(0)
+        model = build_model(args.arch, args.num_classes, channels_last=True).to(device)
+        image_size, precision_name, what = args.image_size, "auto", f"untrained {args.arch}"
+    precision = Precision(args.precision or precision_name, device)
+    model = model.eval().to(memory_format=torch.channels_last)
+    print(f"inference benchmark: {what} at {image_size} px, {precision.name} on {device.type}, "
+          f"{torch.get_num_threads()} thread(s); {args.warmup_iterations} warm-up and {args.iterations} timed calls "
+          f"per batch size")
+    results = []
+    with tempfile.TemporaryDirectory(prefix="trainer-bench-infer-") as scratch:
+        for backend in backends:
+            call = _backend(backend, model, image_size, precision, device, Path(scratch))
+            for batch in batch_sizes:
+                results.append(_measure(backend, call, batch, image_size, device, args.warmup_iterations, args.iterations))
+                _print_row(results[-1], header=len(results) == 1)
+    report = Path(args.report)
+    _write_json(report, {"results": results})
+    figure = report.with_suffix(".png")
+    plot(results, figure, f"{what}, {precision.name} on {device.type}")
+    print(f"report: {report}, figure: {figure}")
+    return 0
+
+
+def _batch_sizes(text: str) -> list[int]:
+    try:
+        sizes = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise UsageError(f"--batch-sizes {text!r}: give whole numbers separated by commas, e.g. 1,8,32") from None
+    bad = [size for size in sizes if size < 1]
+    if bad or not sizes:
+        raise UsageError(f"--batch-sizes {text!r}: a batch size must be at least 1, got {bad[0] if bad else 'none'}")
+    return sizes
+
+
+def _onnx_missing() -> str:
+    """What the onnxruntime backend lacks ("" when nothing)."""
+    import importlib.util
+    if importlib.util.find_spec("onnxruntime") is None:
+        return "the onnxruntime package (not installed)"
+    try:
+        from train.export import export_onnx  # noqa: F401
+    except ImportError:
+        return "train.export (not installed)"
+    return ""
+
+
+def _trained(source: str, device: torch.device):
+    """(model, image size, precision name, what it is) of a checkpoint file or a run directory."""
+    if not Path(source).exists():
+        raise UsageError(f"{source} does not exist; give a checkpoint file or a run directory")
+    try:
+        from train.inference import load_trained
+    except ImportError:
+        raise UsageError("loading a checkpoint needs train.inference (not installed)") from None
+    trained = load_trained(source, device)
+    return trained.model, trained.image_size, trained.precision, f"{trained.arch} from {trained.checkpoint}"
+
+
+def _backend(name: str, model, image_size: int, precision, device: torch.device, scratch: Path):
+    """A function of a batch on the device that runs the model on `name`."""
+    if name in ("eager", "compile"):
+        module = torch.compile(model, dynamic=False) if name == "compile" else model
+
+        def call(images):
+            with torch.inference_mode(), precision.autocast():
+                return module(images)
+        return call
+    import onnxruntime
+    from train.export import export_onnx
+    path = scratch / "model.onnx"
+    export_onnx(model, image_size, path)
+    providers = (["CUDAExecutionProvider"] if device.type == "cuda" and "CUDAExecutionProvider" in
+                 onnxruntime.get_available_providers() else []) + ["CPUExecutionProvider"]
+    session = onnxruntime.InferenceSession(str(path), providers=providers)
+    input_name = session.get_inputs()[0].name
+
+    def call(images):  # (the exported graph takes fp32 NCHW: the time includes the copy to the host on a GPU)
+        return session.run(None, {input_name: images.float().contiguous().cpu().numpy()})
+    return call
+
+
+def _measure(backend: str, call, batch: int, image_size: int, device: torch.device, warmup: int, iterations: int) -> dict:
+    generator = torch.Generator().manual_seed(batch)
+    images = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
+    images = images.contiguous(memory_format=torch.channels_last)
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    for _ in range(warmup):
+        call(images)
+    seconds = []
+    for _ in range(iterations):
+        sync()
+        start = time.perf_counter()
+        call(images)
+        sync()
+        seconds.append(time.perf_counter() - start)
+    ms = np.array(seconds) * 1e3
+    latency = {f"latency_ms_p{q}": round(float(np.percentile(ms, q)), 4) for q in PERCENTILES}
+    return {"backend": backend, "batch_size": batch, **latency, "images_per_s": round(batch * iterations / sum(seconds), 2)}
+
+
+def _print_row(row: dict, header: bool) -> None:
+    if header:
+        print(f"{'backend':12s} {'batch':>6s} " + " ".join(f"{f'p{q} ms':>10s}" for q in PERCENTILES) + f" {'images/s':>10s}")
+    print(f"{row['backend']:12s} {row['batch_size']:6d} " + " ".join(f"{row[f'latency_ms_p{q}']:10.2f}" for q in PERCENTILES)
+          + f" {row['images_per_s']:10.1f}", flush=True)
+
+
+def plot(results: list[dict], path: Path, title: str) -> None:
+    """Latency (p50, with the p99 dashed) and images/s against batch size, one line per backend."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for backend in dict.fromkeys(row["backend"] for row in results):
+        rows = [row for row in results if row["backend"] == backend]
+        sizes = [row["batch_size"] for row in rows]
+        line, = left.plot(sizes, [row["latency_ms_p50"] for row in rows], marker="o", label=f"{backend} p50")
+        left.plot(sizes, [row["latency_ms_p99"] for row in rows], linestyle="--", color=line.get_color(),
+                  label=f"{backend} p99")
+        right.plot(sizes, [row["images_per_s"] for row in rows], marker="o", label=backend)
+    for axes, label in ((left, "latency (ms)"), (right, "images/s")):
+        axes.set_xscale("log", base=2)
+        axes.set_xlabel("batch size")
+        axes.set_ylabel(label)
+        axes.grid(True, alpha=0.3)
+        axes.legend(fontsize=8)
+    left.set_yscale("log")
+    fig.suptitle(title)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=100)
+    except OSError as err:
+        raise UsageError(f"cannot write the figure {path} ({err.strerror or err}); give a writable --report") from None
+    finally:
+        plt.close(fig)
+
+
+# the command ---------------------------------------------------------------------------------------
+MODES = {"train": bench_train, "infer": bench_infer}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from data import DataError
+    from train.engines import detect_launch
+    from train.errors import Preempted, RunAborted
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if not argv or argv[0] not in MODES:
+            if argv and argv[0] in ("-h", "--help"):
+                print(__doc__)
+                return 0
+            raise UsageError(f"give a mode: python -m train.bench train [flags] or python -m train.bench infer "
+                             f"[CHECKPOINT_OR_RUN] [flags]{f', not {argv[0]!r}' if argv else ''}")
+        return MODES[argv[0]](argv[1:])
+    except (UsageError, DataError) as err:  # (the trainer's agreed errors: printed once, by rank 0)
+        if detect_launch().rank == 0 or not getattr(err, "agreed", False):
+            print(f"error: {err}", file=sys.stderr)
+        return 2
+    except RunAborted as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
+    except Preempted:
+        return 75
+
+
+if __name__ == "__main__":
+    sys.exit(main())
