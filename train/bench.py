@@ -14,6 +14,7 @@ the device synchronised around each timed call; a table, the JSON report and a P
 """
 import argparse
 import json
+import logging
 import shutil
 import sys
 import tempfile
@@ -285,7 +286,9 @@ def _trained(source: str, device: torch.device):
 def _backend(name: str, model, image_size: int, precision, device: torch.device, scratch: Path):
     """A function of a batch on the device that runs the model on `name`."""
     if name in ("eager", "compile"):
-        module = torch.compile(model, dynamic=False) if name == "compile" else model
+        if name == "compile":  # (a GPU-less host with nvcc: "No CUDA runtime", as the trainer says none)
+            logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        module = torch.compile(model, dynamic=False) if name == "compile" else model  # (one graph per batch size)
 
         def call(images):
             with torch.inference_mode(), precision.autocast():
@@ -344,8 +347,10 @@ def plot(results: list[dict], path: Path, title: str) -> None:
         left.plot(sizes, [row["latency_ms_p99"] for row in rows], linestyle="--", color=line.get_color(),
                   label=f"{backend} p99")
         right.plot(sizes, [row["images_per_s"] for row in rows], marker="o", label=backend)
+    sizes = sorted({row["batch_size"] for row in results})
     for axes, label in ((left, "latency (ms)"), (right, "images/s")):
         axes.set_xscale("log", base=2)
+        axes.set_xticks(sizes, [str(size) for size in sizes])
         axes.set_xlabel("batch size")
         axes.set_ylabel(label)
         axes.grid(True, alpha=0.3)

@@ -1,0 +1,141 @@
+"""`python -m train.bench` (train/bench.py; docs/bench.md): the trainer's own step timed (data wait
+against compute, over ranks), inference timed per batch size and backend, and the two training flags
+the train mode reuses: --no-checkpoints and --synthetic-val-images 0. Tiny runs: resnet18 at 32 px.
+
+No test asserts an absolute speed: the slow-input test compares two runs of the same step, one fed
+from memory (synthetic batches) and one from a real slow input (a --workers 1 torch loader decoding
+whole 1536-px JPEGs of noise, --crop-min-scale 1: no smaller region to decode)."""
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from helpers import launch, read_metrics, run_module, run_train
+from train.bench import TRAIN_KEYS
+
+TINY = ["--arch", "resnet18", "--image-size", 32, "--threads", 1]
+BATCH = 16  # the slow input's whole training set is one global batch: decoding dominates its step
+
+
+def bench(*args, cwd, **kwargs):
+    return run_module("train.bench", *args, cwd=cwd, **kwargs)
+
+
+def train_report(tmp_path, name: str, *flags, steps=4) -> dict:
+    report = tmp_path / f"{name}.json"
+    done = bench("train", *TINY, "--batch-size", BATCH, "--warmup-steps", 1, "--steps", steps, "--report", report,
+                 *flags, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "data wait" in done.stdout and "compute" in done.stdout, done.stdout
+    return json.loads(report.read_text())
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory) -> dict:
+    """The default benchmark: the trainer's step on synthetic batches."""
+    return train_report(tmp_path_factory.mktemp("synthetic"), "synthetic")
+
+
+def big_jpegs(root, size=1536, per_class=8) -> None:
+    """Two classes of noise JPEGs (about 3 MB each: slow to decode, whatever the crop)."""
+    rng = np.random.default_rng(0)
+    for split, count in (("train", per_class), ("val", 1)):
+        for name in ("a", "b"):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            for i in range(count):
+                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.JPEG", quality=95)
+
+
+@pytest.mark.slow(seconds=20)
+def test_the_train_report_has_exactly_its_keys(synthetic):
+    assert set(synthetic) == set(TRAIN_KEYS)
+    assert synthetic["steps"] == 4 and synthetic["ranks"] == 1
+    assert synthetic["images_per_s"] == synthetic["images_per_s_per_rank"] > 0
+    assert 0 <= synthetic["data_wait_ms_p50"] <= synthetic["data_wait_ms_p95"]
+    assert 0 < synthetic["compute_ms_p50"] <= synthetic["compute_ms_p95"]
+
+
+@pytest.mark.slow(seconds=40)
+def test_data_wait_rises_when_the_input_is_slow(synthetic, tmp_path):
+    big_jpegs(tmp_path / "big")
+    slow = train_report(tmp_path, "slow", "--data-dir", tmp_path / "big", "--loader", "torch", "--workers", 1,
+                        "--crop-min-scale", 1, steps=3)
+    assert slow["data_wait_ms_p50"] > 5 * synthetic["data_wait_ms_p50"], (slow, synthetic)
+    assert slow["input_bound"] and not synthetic["input_bound"], (slow, synthetic)
+
+
+@pytest.mark.slow(seconds=40)
+@pytest.mark.multiprocess
+def test_two_ranks_under_torchrun_give_one_report_over_both(tmp_path):
+    report = tmp_path / "two.json"
+    done = launch("torch", 2, "-m", "train.bench", "train", *TINY, "--batch-size", 2, "--warmup-steps", 1, "--steps", 3,
+                  "--report", report, cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    figures = json.loads(report.read_text())
+    assert set(figures) == set(TRAIN_KEYS)
+    assert figures["ranks"] == 2 and figures["steps"] == 3
+    assert figures["images_per_s"] == pytest.approx(2 * figures["images_per_s_per_rank"], rel=0.01)
+    assert done.stdout.count("benchmark:") == 1, done.stdout  # rank 0 alone says it
+
+
+@pytest.mark.slow(seconds=90)
+def test_infer_times_eager_and_compile_per_batch_size(tmp_path):
+    report = tmp_path / "out" / "infer.json"
+    done = bench("infer", "--arch", "resnet18", "--image-size", 32, "--batch-sizes", "1,4", "--backends", "eager,compile",
+                 "--warmup-iterations", 2, "--iterations", 8, "--threads", 1, "--report", report, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    results = json.loads(report.read_text())["results"]
+    assert [(r["backend"], r["batch_size"]) for r in results] == [("eager", 1), ("eager", 4), ("compile", 1), ("compile", 4)]
+    for row in results:
+        assert set(row) == {"backend", "batch_size", "latency_ms_p50", "latency_ms_p90", "latency_ms_p95",
+                            "latency_ms_p99", "images_per_s"}
+        assert 0 < row["latency_ms_p50"] <= row["latency_ms_p90"] <= row["latency_ms_p95"] <= row["latency_ms_p99"], row
+        assert row["images_per_s"] > 0
+    assert report.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+SHORT_RUN = ["--loader", "synthetic", "--synthetic-images", 32, "--synthetic-classes", 4, *TINY, "--batch-size", 4,
+             "--epochs", 2, "--eval-every", 1]
+
+
+@pytest.mark.slow(seconds=20)
+def test_no_checkpoints_writes_none_and_a_restart_starts_again(tmp_path):
+    run = tmp_path / "run"
+    flags = [*SHORT_RUN, "--synthetic-val-images", 8, "--no-checkpoints", "--out-dir", run]
+    done = run_train(*flags, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not list(run.glob("*.pt")) and not list(run.glob(".*.tmp")), sorted(p.name for p in run.iterdir())
+    assert [r["kind"] for r in read_metrics(run)].count("eval") == 2  # (the logs are written)
+    again = run_train(*flags, cwd=tmp_path)
+    assert again.returncode == 0, again.stdout + again.stderr
+    assert "starting it again from step 0" in again.stdout, again.stdout
+    assert not list(run.glob("*.pt"))
+    refused = run_train(*flags, "--keep-checkpoints", 2, cwd=tmp_path)
+    assert refused.returncode == 2 and "--no-checkpoints" in refused.stderr, refused.stderr
+
+
+@pytest.mark.slow(seconds=15)
+def test_no_validation_images_runs_with_no_evaluation(tmp_path):
+    run = tmp_path / "run"
+    done = run_train(*SHORT_RUN, "--synthetic-val-images", 0, "--out-dir", run, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    kinds = [r["kind"] for r in read_metrics(run)]
+    assert kinds.count("epoch") == 2 and "eval" not in kinds, kinds
+    assert "top-1" not in done.stdout and (run / "checkpoint.pt").is_file()
+
+
+@pytest.mark.parametrize("args, said", [
+    (["infer", "--backends", "eager,tensorrt"], "unknown backend tensorrt"),
+    (["infer", "--batch-sizes", "0,8"], "--batch-sizes '0,8': a batch size must be at least 1"),
+    (["infer", "NOT_A_CHECKPOINT"], "NOT_A_CHECKPOINT"),
+    (["train", "--steps", "0"], "--steps: 0 must be at least 1"),
+    (["train", "--max-steps", "9"], "--max-steps is the benchmark's to set"),
+    (["fly"], "give a mode"),
+])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, said):
+    (tmp_path / "NOT_A_CHECKPOINT").write_text("these are not weights\n")
+    done = bench(*args, cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.startswith("error: ") and done.stderr.count("\n") == 1 and said in done.stderr, done.stderr
