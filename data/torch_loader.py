@@ -76,6 +76,40 @@ class EvalCrop:
         return pixels[:, top:top + self.size, left:left + self.size]
 
 
+class BatchMaker:
+    """Batches of crops, normalised with the ImageNet mean and std ((x / 255 - mean) / std) as the
+    model takes them: `empty(n)`, `put` each crop (uint8 (3, size, size)) in its slot (from any
+    thread), then `on_device`. The loader's batches, and train/inference.py's (predict, export's
+    check)."""
+
+    def __init__(self, size: int, device: torch.device, channels_last: bool):
+        self.size, self.device = size, device
+        self.layout = torch.channels_last if channels_last else torch.contiguous_format
+        # (x - mean) / std as x * scale + shift, both whole channels_last images: a 3-vector broadcast
+        # along channels_last's innermost dimension does not vectorise on a CPU (3x slower there)
+        scale = 1 / (torch.tensor(IMAGENET_STD) * 255)
+        shift = -torch.tensor(IMAGENET_MEAN) * 255 * scale
+        self.scale, self.shift = (v.view(1, 3, 1, 1).expand(1, 3, size, size).contiguous(memory_format=torch.channels_last)
+                                  .to(device) for v in (scale, shift))
+
+    def empty(self, n: int) -> torch.Tensor:
+        """NCHW: on a GPU a view of pinned NHWC uint8, on a CPU the normalised float batch itself."""
+        if self.device.type == "cuda":
+            return torch.empty(n, self.size, self.size, 3, dtype=torch.uint8, pin_memory=True).permute(0, 3, 1, 2)
+        return torch.empty(n, 3, self.size, self.size, memory_format=self.layout)
+
+    def put(self, batch: torch.Tensor, slot: int, pixels: torch.Tensor) -> None:
+        if batch.dtype == torch.uint8:
+            batch[slot].copy_(pixels)
+        else:
+            torch.addcmul(self.shift[0], pixels, self.scale[0], out=batch[slot])
+
+    def on_device(self, batch: torch.Tensor) -> torch.Tensor:
+        if batch.dtype == torch.uint8:  # a GPU run's pinned batch: normalised there
+            batch = batch.to(self.device, non_blocking=True).float().mul_(self.scale).add_(self.shift)
+        return batch.contiguous(memory_format=self.layout)  # a copy only for a batch that lost a skipped image
+
+
 def decoded(source, index: int, crop, seed=None) -> tuple[torch.Tensor, int]:
     """(crop of the image, label), or BadImage when the file cannot be read or decoded."""
     try:
@@ -114,36 +148,22 @@ class TorchLoader(FileLoader):
         self.train_crop = TrainCrop(size, (cfg.crop_min_scale, cfg.crop_max_scale), (cfg.crop_min_aspect, cfg.crop_max_aspect))
         self.eval_crop = EvalCrop(size)
         self.device, self.size = device, size
-        self.layout = torch.channels_last if cfg.channels_last else torch.contiguous_format
+        self.batch_maker = BatchMaker(size, device, cfg.channels_last)
         self.pool = ThreadPoolExecutor(max(1, cfg.workers), thread_name_prefix="loader",
                                        initializer=_one_intra_op_thread)
-        # (x - mean) / std as x * scale + shift, both whole channels_last images: a 3-vector broadcast
-        # along channels_last's innermost dimension does not vectorise on a CPU (3x slower there)
-        scale = 1 / (torch.tensor(IMAGENET_STD) * 255)
-        shift = -torch.tensor(IMAGENET_MEAN) * 255 * scale
-        self.scale, self.shift = (v.view(1, 3, 1, 1).expand(1, 3, size, size).contiguous(memory_format=torch.channels_last)
-                                  .to(device) for v in (scale, shift))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
     # a batch: empty memory, filled slot by slot by the threads, then handed to the loop ------------
     def _empty_batch(self, n: int) -> torch.Tensor:
-        """NCHW: on a GPU a view of pinned NHWC uint8, on a CPU the normalised float batch itself."""
-        if self.device.type == "cuda":
-            return torch.empty(n, self.size, self.size, 3, dtype=torch.uint8, pin_memory=True).permute(0, 3, 1, 2)
-        return torch.empty(n, 3, self.size, self.size, memory_format=self.layout)
+        return self.batch_maker.empty(n)
 
     def _put(self, batch: torch.Tensor, slot: int, pixels: torch.Tensor) -> None:
-        if batch.dtype == torch.uint8:
-            batch[slot].copy_(pixels)
-        else:
-            torch.addcmul(self.shift[0], pixels, self.scale[0], out=batch[slot])
+        self.batch_maker.put(batch, slot, pixels)
 
     def _on_device(self, batch: torch.Tensor) -> torch.Tensor:
-        if batch.dtype == torch.uint8:  # a GPU run's pinned batch: normalised there
-            batch = batch.to(self.device, non_blocking=True).float().mul_(self.scale).add_(self.shift)
-        return batch.contiguous(memory_format=self.layout)  # a copy only for a batch that lost a skipped image
+        return self.batch_maker.on_device(batch)
 
     def _labels_on_device(self, labels: list[int]) -> torch.Tensor:
         labels = torch.tensor(labels)

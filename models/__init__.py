@@ -1,5 +1,5 @@
 """What is trained: torchvision's ResNets (ResNet-50 is v1.5) and their FLOP counts."""
-from models.resnet import ARCHS, build_model
+from models.resnet import ARCHS, build_model, first_misfit
 from models.flops import train_flops_per_image, eval_flops_per_image
 
-__all__ = ["ARCHS", "build_model", "train_flops_per_image", "eval_flops_per_image"]
+__all__ = ["ARCHS", "build_model", "first_misfit", "train_flops_per_image", "eval_flops_per_image"]

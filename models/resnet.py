@@ -24,3 +24,14 @@ def build_model(arch: str = "resnet50", num_classes: int = 1000,
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
     return model
+
+
+def first_misfit(weights: dict, arch: str, num_classes: int) -> str | None:
+    """The first tensor name of `weights` (a state_dict) that the model `arch` with `num_classes`
+    classes lacks, does not have or has in another shape; None when every tensor fits. Shapes only:
+    nothing is allocated."""
+    with torch.device("meta"):
+        expected = build_model(arch, num_classes).state_dict()
+    names = [*expected, *(name for name in weights if name not in expected)]
+    return next((name for name in names if name not in weights or name not in expected
+                 or tuple(expected[name].shape) != tuple(weights[name].shape)), None)

@@ -16,7 +16,7 @@ import yaml
 
 from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
-from models import build_model
+from models import build_model, first_misfit
 from train import checkpoint, engines, runlock
 from train.config import Config, to_dict
 from train.device_choices import choose_loader, default_batch
@@ -228,11 +228,8 @@ def check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str
     if weights["fc.weight"].shape[0] != loader.num_classes:
         raise UsageError(f"{saved} has {weights['fc.weight'].shape[0]} classes, the "
                          f"data {data} {loader.num_classes}; check --data-dir")
-    with torch.device("meta"):  # shapes only, nothing allocated
-        expected = build_model(cfg.arch, loader.num_classes, channels_last=False).state_dict()
     saved_arch = state.get("config", {}).get("arch", "?")
-    differing = next((name for name in {*expected, *weights}
-                      if name not in expected or name not in weights or expected[name].shape != weights[name].shape), None)
+    differing = first_misfit(weights, cfg.arch, loader.num_classes)
     if differing:
         raise UsageError(f"{saved} holds a {saved_arch}, which --arch {cfg.arch} does not build "
                          f"({differing} differs); drop --arch or give the run's")
