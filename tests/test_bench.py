@@ -68,9 +68,12 @@ def test_data_wait_rises_when_the_input_is_slow(synthetic, tmp_path):
 
 @pytest.mark.slow(seconds=40)
 @pytest.mark.multiprocess
-def test_two_ranks_under_torchrun_give_one_report_over_both(tmp_path):
+@pytest.mark.parametrize("launcher", ["torch", "horovod"])
+def test_two_ranks_give_one_report_over_both(tmp_path, launcher):
+    if launcher == "horovod":
+        pytest.importorskip("horovod.torch")
     report = tmp_path / "two.json"
-    done = launch("torch", 2, "-m", "train.bench", "train", *TINY, "--batch-size", 2, "--warmup-steps", 1, "--steps", 3,
+    done = launch(launcher, 2, "-m", "train.bench", "train", *TINY, "--batch-size", 2, "--warmup-steps", 1, "--steps", 3,
                   "--report", report, cwd=tmp_path, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     figures = json.loads(report.read_text())
@@ -94,6 +97,23 @@ def test_infer_times_eager_and_compile_per_batch_size(tmp_path):
         assert 0 < row["latency_ms_p50"] <= row["latency_ms_p90"] <= row["latency_ms_p95"] <= row["latency_ms_p99"], row
         assert row["images_per_s"] > 0
     assert report.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow(seconds=40)
+def test_infer_reads_a_run_and_times_onnxruntime(tmp_path):
+    """A run's checkpoint (its image size and precision) on eager and onnxruntime (train.export's ONNX file)."""
+    pytest.importorskip("onnxruntime")
+    trained = run_train(*SHORT_RUN, "--synthetic-val-images", 0, "--epochs", 1, "--out-dir", tmp_path / "run", cwd=tmp_path)
+    assert trained.returncode == 0, trained.stdout + trained.stderr
+    report = tmp_path / "infer.json"
+    done = bench("infer", tmp_path / "run", "--batch-sizes", "1,2", "--backends", "eager,onnxruntime",
+                 "--warmup-iterations", 1, "--iterations", 5, "--threads", 1, "--report", report, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "resnet18 from" in done.stdout and "at 32 px, fp32" in done.stdout, done.stdout
+    results = json.loads(report.read_text())["results"]
+    assert [(r["backend"], r["batch_size"]) for r in results] == [("eager", 1), ("eager", 2), ("onnxruntime", 1),
+                                                                   ("onnxruntime", 2)]
+    assert all(r["latency_ms_p50"] <= r["latency_ms_p99"] for r in results)
 
 
 SHORT_RUN = ["--loader", "synthetic", "--synthetic-images", 32, "--synthetic-classes", 4, *TINY, "--batch-size", 4,

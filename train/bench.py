@@ -233,6 +233,8 @@ def bench_infer(argv: list[str]) -> int:
     print(f"inference benchmark: {what} at {image_size} px, {precision.name} on {device.type}, "
           f"{torch.get_num_threads()} thread(s); {args.warmup_iterations} warm-up and {args.iterations} timed calls "
           f"per batch size")
+    if "onnxruntime" in backends and precision.name != "fp32":
+        print(f"note: onnxruntime runs the exported fp32 model, not {precision.name}")
     results = []
     with tempfile.TemporaryDirectory(prefix="trainer-bench-infer-") as scratch:
         for backend in backends:
@@ -300,7 +302,9 @@ def _backend(name: str, model, image_size: int, precision, device: torch.device,
     export_onnx(model, image_size, path)
     providers = (["CUDAExecutionProvider"] if device.type == "cuda" and "CUDAExecutionProvider" in
                  onnxruntime.get_available_providers() else []) + ["CPUExecutionProvider"]
-    session = onnxruntime.InferenceSession(str(path), providers=providers)
+    options = onnxruntime.SessionOptions()
+    options.intra_op_num_threads = torch.get_num_threads()  # (the same threads as the other backends)
+    session = onnxruntime.InferenceSession(str(path), options, providers=providers)
     input_name = session.get_inputs()[0].name
 
     def call(images):  # (the exported graph takes fp32 NCHW: the time includes the copy to the host on a GPU)
