@@ -146,8 +146,11 @@ def test_no_validation_images_runs_with_no_evaluation(tmp_path):
     assert "top-1" not in done.stdout and (run / "checkpoint.pt").is_file()
 
 
+INFER_TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-sizes", "1", "--iterations", "1", "--report", "tiny.json"]
+
+
 @pytest.mark.parametrize("args, said", [
-    (["infer", "--backends", "eager,tensorrt"], "unknown backend tensorrt"),
+    (["infer", "--backends", "eager,tensorrt", *INFER_TINY], "unknown backend tensorrt"),
     (["infer", "--batch-sizes", "0,8"], "--batch-sizes '0,8': a batch size must be at least 1"),
     (["infer", "NOT_A_CHECKPOINT"], "NOT_A_CHECKPOINT"),
     (["train", "--steps", "0"], "--steps: 0 must be at least 1"),
