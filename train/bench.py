@@ -186,7 +186,7 @@ def _write_json(path: Path, value: dict) -> None:
 
 # infer ---------------------------------------------------------------------------------------------
 def bench_infer(argv: list[str]) -> int:
-    from models import ARCHS, build_model
+    from models import ARCHS
     from train.precision import PRECISIONS, Precision
 
     p = _Parser(prog="python -m train.bench infer", description="Time inference of a trained model (or an untrained "
@@ -222,14 +222,8 @@ def bench_infer(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if args.source:
-        model, image_size, precision_name, what = _trained(args.source, device)
-    else:
-        torch.manual_seed(0)
-        model = build_model(args.arch, args.num_classes, channels_last=True).to(device)
-        image_size, precision_name, what = args.image_size, "auto", f"untrained {args.arch}"
+    model, image_size, precision_name, what = _model(args, device)
     precision = Precision(args.precision or precision_name, device)
-    model = model.eval().to(memory_format=torch.channels_last)
     print(f"inference benchmark: {what} at {image_size} px, {precision.name} on {device.type}, "
           f"{torch.get_num_threads()} thread(s); {args.warmup_iterations} warm-up and {args.iterations} timed calls "
           f"per batch size")
@@ -271,6 +265,18 @@ def _onnx_missing() -> str:
     except ImportError:
         return "train.export (not installed)"
     return ""
+
+
+def _model(args, device: torch.device):
+    """(model in eval mode, image size, precision name, what it is): the source's, or an untrained --arch."""
+    from models import build_model
+    if args.source:
+        model, image_size, precision_name, what = _trained(args.source, device)
+    else:
+        torch.manual_seed(0)
+        model = build_model(args.arch, args.num_classes, channels_last=True).to(device)
+        image_size, precision_name, what = args.image_size, "auto", f"untrained {args.arch}"
+    return model.eval().to(memory_format=torch.channels_last), image_size, precision_name, what
 
 
 def _trained(source: str, device: torch.device):

@@ -35,8 +35,7 @@ from train.startup import Setup, prepare
 from train.stopping import Agreements, StopSignal
 
 
-def run(cfg: Config, step_timer=None) -> dict:
-    """`step_timer`: python -m train.bench's timing of each step (train/bench.py StepTimer); None in a run."""
+def run(cfg: Config, step_timer=None) -> dict:  # (step_timer: python -m train.bench's, train/bench.py)
     setup = prepare(cfg)  # train/startup.py: everything that can fail, before the run's first step
     try:
         return _train(Training(setup, step_timer))
@@ -112,9 +111,7 @@ class Training:
         self.agreements = Agreements(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.restart_flags = setup.restart_flags
-        # python -m train.bench only: each step's wait for its batch and its compute, the device synchronised
-        # around them (a run never waits for the device in its steps)
-        self.step_timer = step_timer.attach(engine) if step_timer else None
+        self.step_timer = step_timer.attach(engine) if step_timer else None  # python -m train.bench only: it syncs
         self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
         self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: host_memory.reserve)
         if setup.init:  # --init-from's weights, checked at start-up; every rank loads the same
@@ -227,13 +224,12 @@ class Training:
         self.model.train()
         window, self.epoch_meter = LossMeter(engine.device), LossMeter(engine.device)
         batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
-        if self.step_timer:  # (bench: the wait for each batch, timed)
-            batches = self.step_timer.timed(batches)
+        batches = self.step_timer.timed(batches) if self.step_timer else batches  # (bench: each batch's wait timed)
         batches = progress(batches, self.loader.steps_per_epoch - s.step_in_epoch, engine.rank == 0, f"epoch {s.epoch + 1}")
         for images, labels in batches:
             self.ledger.add(self.loader.last_positions)
             loss = self.train_step(images, labels)
-            if self.step_timer:  # (bench: the step's compute, timed to its end on the device)
+            if self.step_timer:  # (bench: the step's compute timed, to its end on the device)
                 self.step_timer.step_end(s.step)
             if self.host_memory_unreserved and engine.rank == 0 and cfg.checkpoints:  # after a step: the optimizer has its state
                 reserve(self.state_dict(self.ledger.saved))
@@ -397,8 +393,7 @@ class Training:
         try:
             return f"{off}the last good checkpoint (step {checkpoint.peek(self.out_dir / 'checkpoint.pt')['step']}) is kept in {self.out_dir}"
         except (OSError, UsageError):  # none yet (or none readable): the run starts again from step 0
-            return f"{off}no checkpoint was written in {self.out_dir}: the same command starts the run again from step 0" \
-                if off else f"no checkpoint was written yet in {self.out_dir}"
+            return f"{off}no checkpoint was written yet in {self.out_dir}"
 
     def _preempt(self) -> None:
         self.save(wait=True)
