@@ -103,3 +103,18 @@ def test_what_is_no_checkpoint_of_the_model_is_one_line(trained, tmp_path):
     state["config"]["arch"] = "resnet50"  # a resnet18's weights under another architecture's name
     torch.save(state, tmp_path / "other.pt")
     refused(predict(tmp_path / "other.pt", image, cwd=tmp_path), "resnet50", "differs")
+
+
+def test_folders_are_searched_for_the_data_packages_image_extensions(tmp_path):
+    from train.errors import UsageError
+    from train.inference import find_images, preprocessing
+    for name in ("b/2.JPEG", "b/sub/3.png", "a/1.webp", "a/notes.txt", "a/model.onnx", "c.TIFF"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "named.dat").write_bytes(b"")  # a file named on its own is taken whatever its name
+    found = find_images([tmp_path / "a", tmp_path / "b", tmp_path / "c.TIFF", tmp_path / "named.dat", tmp_path / "a"])
+    assert [str(p.relative_to(tmp_path)) for p in found] == ["a/1.webp", "b/2.JPEG", "b/sub/3.png", "c.TIFF", "named.dat"]
+    with pytest.raises(UsageError, match="nowhere does not exist"):
+        find_images([tmp_path / "nowhere"])
+    assert {k: preprocessing(224)[k] for k in ("resize", "crop", "mean", "std")} == \
+        {"resize": 256, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
