@@ -1,0 +1,120 @@
+"""python -m train.predict: a run's checkpoint classifies image files through the evaluation transform of
+training, so on the run's validation folder its top-1 is --test-only's; unreadable files are skipped
+and named, and bad input (no images, a file that is no checkpoint, a checkpoint whose weights are not
+its arch's) is one line with exit 2. One short real run (resnet18, 32 px, the embedded dataset) serves
+the module."""
+import csv
+import json
+import shutil
+
+import pytest
+import torch
+
+from data.embedded import ensure_embedded
+from helpers import run_module, run_train
+
+RUN = ["--arch", "resnet18", "--image-size", 32, "--epochs", 1, "--global-batch-size", 32, "--workers", 0,
+       "--eval-every", 0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("predict")
+    done = run_train("--out-dir", root / "run", *RUN, cwd=root)
+    assert done.returncode == 0, done.stderr
+    return root
+
+
+def predict(*args, cwd):
+    return run_module("train.predict", *args, cwd=cwd)
+
+
+def refused(result, *words) -> str:
+    lines = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(lines) == 1, (result.returncode, result.stderr)
+    assert lines[0].startswith("error: ") and all(w in lines[0] for w in words), lines[0]
+    return lines[0]
+
+
+@pytest.mark.slow(seconds=40)
+def test_top1_on_the_validation_folder_is_test_onlys(trained):
+    val = ensure_embedded() / "val"
+    tested = run_train("--test-only", "--out-dir", trained / "run", cwd=trained)
+    assert tested.returncode == 0, tested.stderr
+    result = predict(trained / "run", val, "--labels-from-folders", "--json", "p.json", "--csv", "p.csv", cwd=trained)
+    assert result.returncode == 0, result.stderr
+    summary = result.stdout.strip().splitlines()[-1]
+    assert summary == tested.stdout.strip().splitlines()[-1], (summary, tested.stdout)
+    assert summary.endswith("(300 images)") and not summary.startswith("top-1 0.1000"), summary  # a model that learnt
+    predictions = json.loads((trained / "p.json").read_text())
+    classes = torch.load(trained / "run" / "checkpoint.pt", weights_only=True)["classes"]
+    assert len(predictions) == 300 and {p["label"] for p in predictions} == set(classes)
+    first = predictions[0]
+    assert [c["class"] for c in first["top_k"]] and len(first["top_k"]) == 5
+    assert all(c["class"] == classes[c["index"]] for c in first["top_k"])
+    probabilities = [c["probability"] for c in first["top_k"]]
+    assert probabilities == sorted(probabilities, reverse=True) and 0 < sum(probabilities) <= 1.0001
+    top1 = sum(p["top_k"][0]["class"] == p["label"] for p in predictions) / 300
+    assert f"top-1 {top1:.4f}" in summary
+    rows = list(csv.DictReader(open(trained / "p.csv")))
+    assert len(rows) == 300 and rows[0]["path"] == first["path"] and rows[0]["class_1"] == first["top_k"][0]["class"]
+    assert len(result.stdout.strip().splitlines()) == 1 + 300 + 1  # header, a row per image, the summary
+
+
+@pytest.mark.slow
+def test_an_unreadable_file_is_skipped_and_named_and_the_rest_classified(trained, tmp_path):
+    source = sorted((ensure_embedded() / "val" / "blue_blobs").iterdir())
+    folder = tmp_path / "photos" / "holiday"
+    folder.mkdir(parents=True)
+    for good in source[:2]:
+        shutil.copy(good, folder / good.name)
+    (folder / "cut.jpg").write_bytes(source[2].read_bytes()[:400])  # truncated
+    (folder / "empty.png").write_bytes(b"")
+    (folder / "notes.txt").write_text("not an image, not an image's name: not looked at")
+    result = predict(trained / "run", tmp_path / "photos", "--top-k", 3, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    warnings = result.stderr.strip().splitlines()
+    assert len(warnings) == 2, result.stderr
+    assert any(w.startswith(f"warning: skipped {folder / 'cut.jpg'}: ") for w in warnings), warnings
+    assert any(w.startswith(f"warning: skipped {folder / 'empty.png'}: ") for w in warnings), warnings
+    rows = result.stdout.strip().splitlines()[1:]
+    assert [row.split()[0] for row in rows] == [str(folder / good.name) for good in source[:2]]
+    assert all(len(row.split()) == 1 + 3 * 2 for row in rows)  # the file, then 3 classes with their probabilities
+
+
+@pytest.mark.slow
+def test_a_folder_without_images_is_one_line(trained, tmp_path):
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "readme.txt").write_text("no image here")
+    refused(predict(trained / "run", tmp_path / "docs", cwd=tmp_path), "no images found", "docs")
+    refused(predict(trained / "run", tmp_path / "nowhere", cwd=tmp_path), "nowhere does not exist")
+
+
+@pytest.mark.slow
+def test_what_is_no_checkpoint_of_the_model_is_one_line(trained, tmp_path):
+    image = sorted((ensure_embedded() / "val" / "blue_blobs").iterdir())[0]
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    refused(predict(tmp_path / "notes.txt", image, cwd=tmp_path), "cannot load", "notes.txt")
+    refused(predict(tmp_path / "missing.pt", image, cwd=tmp_path), "missing.pt does not exist")
+    refused(predict(tmp_path, image, cwd=tmp_path), "holds no checkpoint.pt")
+    state = torch.load(trained / "run" / "checkpoint.pt", weights_only=True)
+    torch.save(state["model"], tmp_path / "bare.pt")  # a state_dict, not a checkpoint of this trainer
+    refused(predict(tmp_path / "bare.pt", image, cwd=tmp_path), "not a checkpoint of this trainer")
+    state["config"]["arch"] = "resnet50"  # a resnet18's weights under another architecture's name
+    torch.save(state, tmp_path / "other.pt")
+    refused(predict(tmp_path / "other.pt", image, cwd=tmp_path), "resnet50", "differs")
+
+
+def test_folders_are_searched_for_the_data_packages_image_extensions(tmp_path):
+    from train.errors import UsageError
+    from train.inference import find_images, preprocessing
+    for name in ("b/2.JPEG", "b/sub/3.png", "a/1.webp", "a/notes.txt", "a/model.onnx", "c.TIFF"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_bytes(b"")
+    (tmp_path / "named.dat").write_bytes(b"")  # a file named on its own is taken whatever its name
+    found = find_images([tmp_path / "a", tmp_path / "b", tmp_path / "c.TIFF", tmp_path / "named.dat", tmp_path / "a"])
+    assert [str(p.relative_to(tmp_path)) for p in found] == ["a/1.webp", "b/2.JPEG", "b/sub/3.png", "c.TIFF", "named.dat"]
+    with pytest.raises(UsageError, match="nowhere does not exist"):
+        find_images([tmp_path / "nowhere"])
+    assert {k: preprocessing(224)[k] for k in ("resize", "crop", "mean", "std")} == \
+        {"resize": 256, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
