@@ -27,7 +27,7 @@ from train.engines.topology import node_summary
 from train.errors import Diverged, Preempted, RunAborted, UsageError, agreed_error
 from train.evaluate import evaluate, replicas_differing
 from train.host_memory import host_copy, reserve
-from train.meters import LossMeter, SampleLedger
+from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
 from train.runlog import RunLog, progress
 from train.schedule import EpochClock, EvalPlan, build_schedule
@@ -77,8 +77,6 @@ class RunState:
     top5: float | None = None
     best_top1: float | None = None  # the best evaluation so far, at step best_step (--keep-checkpoints)
     best_step: int | None = None
-    skipped_in_epoch: set[str] = dataclasses.field(default_factory=set)  # unreadable training files skipped
-    # in this epoch, over all ranks and resumes (each counts once an epoch)
     reached_target: bool = False
     stop: bool = False
 
@@ -107,7 +105,7 @@ class Training:
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
         self.ledger = SampleLedger()
-        self.named_skips: set[str] = set()  # the unreadable files a warning has named (each once a run)
+        self.skipped = SkippedFiles(engine, self.log.warning)
         self.agreements = Agreements(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.restart_flags = setup.restart_flags
@@ -151,7 +149,7 @@ class Training:
                 "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
                 "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished, "config": to_dict(self.cfg),
                 "classes": self.loader.class_names, "best_top1": s.best_top1, "best_step": s.best_step,
-                "skipped_in_epoch": sorted(s.skipped_in_epoch), "named_skips": sorted(self.named_skips)}
+                **self.skipped.state_dict()}
 
     def load_state_dict(self, saved: dict, weights: bool = True) -> None:
         if weights:
@@ -164,7 +162,7 @@ class Training:
         self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
         self.agreements.restart(s.step)  # (every rank, at the same step: a resume, a rollback, a state sync)
         s.best_top1, s.best_step = saved.get("best_top1"), saved.get("best_step")  # (none in older checkpoints)
-        s.skipped_in_epoch, self.named_skips = set(saved.get("skipped_in_epoch", ())), set(saved.get("named_skips", ()))
+        self.skipped.load_state_dict(saved)
 
     def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
@@ -295,13 +293,13 @@ class Training:
         cfg, s, steps_per_epoch = self.cfg, self.state, self.loader.steps_per_epoch
         number = s.epoch + 1  # MLLOG counts epochs from 1
         mean_loss, seconds = self.epoch_meter.mean(self.engine), self.epoch_meter.seconds()
-        s.skipped_in_epoch |= self._skipped("training")
-        skipped = len(s.skipped_in_epoch)
+        self.skipped.take(self.loader, "training")
+        skipped = len(self.skipped.in_epoch)
         self._check_finite()
         samples = dict(zip(("count", "sum", "sum_sq"), self.ledger.total(self.engine)))
         finished = s.step_in_epoch == steps_per_epoch
         if finished:
-            s.epoch, s.step_in_epoch, s.skipped_in_epoch = s.epoch + 1, 0, set()
+            s.epoch, s.step_in_epoch, self.skipped.in_epoch = s.epoch + 1, 0, set()
             self.ledger = SampleLedger()
         figures = None
         if self.epoch_meter.steps:  # (none when a run resumes right after an epoch's last step)
@@ -328,7 +326,7 @@ class Training:
             share_bn_statistics(self.model, self.engine, self.cfg.bn_span)
         with self.log.evaluation(epoch, self.state.step, self.clock.images(self.state.step)) as record:
             top1, top5, images = evaluate(self.model, self.loader, self.precision, self.engine)
-            record(top1=top1, top5=top5, eval_images=images, skipped_images=len(self._skipped("validation")))
+            record(top1=top1, top5=top5, eval_images=images, skipped_images=len(self.skipped.take(self.loader, "validation")))
         s = self.state
         s.top1, s.top5 = top1, top5
         if s.best_top1 is None or top1 > s.best_top1:  # (a tie keeps the earlier)
@@ -348,7 +346,7 @@ class Training:
         if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
             raise agreed_error(Diverged(f"weights are not finite at step {s.step}; stopped, {self._kept()}; lower --lr"))
         samples = self.ledger.total(self.engine)
-        s.skipped_in_epoch |= self._skipped("training")  # (a resume in this epoch counts on from these)
+        self.skipped.take(self.loader, "training")  # (kept in the checkpoint: a resume in this epoch counts on from these)
         problem = None
         if self.engine.rank == 0 and self.cfg.checkpoints:  # (--no-checkpoints: nothing written)
             try:
@@ -446,20 +444,6 @@ class Training:
         if self.engine.any(int(s.bad_steps.item()) >= cfg.max_bad_steps):
             raise agreed_error(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step "
                                         f"{s.step}); stopped, {self._kept()}; lower --lr"))
-
-    def _skipped(self, split: str) -> set[str]:
-        """The unreadable files skipped on all ranks since the last call. A warning names those no warning
-        has named before in this run: a bad file is skipped (and counted) every epoch, and said once."""
-        count, names = self.loader.take_skipped()
-        if not self.engine.any(count > 0):  # (rarely true: then every rank gathers)
-            return set()
-        skipped = {name for rank in self.engine.gather_object(names) for name in rank}
-        new = sorted(skipped - self.named_skips)
-        self.named_skips.update(new)
-        if new:
-            self.log.warning(f"skipped {len(new)} unreadable {split} image(s) not named before, e.g. "
-                             f"{', '.join(new[:3])} (metrics.jsonl counts each in every epoch it is skipped)")
-        return skipped
 
 
 def _count(n: int, what: str) -> str:

@@ -1,5 +1,6 @@
 """What the run counts as it goes, on the device between logging points: the losses of a window
-or an epoch (LossMeter), and the positions of the epoch trained so far (SampleLedger)."""
+or an epoch (LossMeter), the positions of the epoch trained so far (SampleLedger), and the
+unreadable files skipped (SkippedFiles)."""
 import time
 
 import torch
@@ -46,3 +47,35 @@ class LossMeter:
 
     def seconds(self) -> float:
         return max(time.time() - self.start, 1e-9)
+
+
+class SkippedFiles:
+    """The unreadable files the loader skipped, over all ranks: those of the current training epoch
+    (each counted once an epoch, kept in checkpoints so that a resume counts on), and those a warning
+    has named (each named once a run: a bad file is skipped every epoch)."""
+
+    def __init__(self, engine, warn):
+        self.engine, self.warn = engine, warn
+        self.in_epoch, self.named = set(), set()
+
+    def state_dict(self) -> dict:
+        return {"skipped_in_epoch": sorted(self.in_epoch), "named_skips": sorted(self.named)}
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.in_epoch, self.named = set(saved.get("skipped_in_epoch", ())), set(saved.get("named_skips", ()))
+
+    def take(self, loader, split: str) -> set[str]:
+        """The files `loader` skipped on all ranks since the last take (training ones join the epoch's);
+        a warning names those no warning has named before."""
+        count, names = loader.take_skipped()
+        if not self.engine.any(count > 0):  # (rarely true: then every rank gathers)
+            return set()
+        skipped = {name for rank in self.engine.gather_object(names) for name in rank}
+        new = sorted(skipped - self.named)
+        self.named.update(new)
+        if new:
+            self.warn(f"skipped {len(new)} unreadable {split} image(s) not named before, e.g. {', '.join(new[:3])} "
+                 "(metrics.jsonl counts each in every epoch it is skipped)")
+        if split == "training":
+            self.in_epoch |= skipped
+        return skipped
