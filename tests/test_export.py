@@ -12,21 +12,14 @@ import pytest
 import torch
 
 from data.embedded import ensure_embedded
-from helpers import run_module, run_train
+from helpers import run_module, tiny_trained_run
 from models import build_model
 from train.export import TOLERANCE, export_onnx
 from train.inference import load_trained, preprocessing
 
-RUN = ["--arch", "resnet18", "--image-size", 32, "--epochs", 1, "--global-batch-size", 32, "--workers", 0,
-       "--eval-every", 0]
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("export")
-    done = run_train("--out-dir", root / "run", *RUN, cwd=root)
-    assert done.returncode == 0, done.stderr
-    return root
+    return tiny_trained_run(tmp_path_factory.mktemp("export"))
 
 
 def export(*args, cwd):

@@ -11,18 +11,11 @@ import pytest
 import torch
 
 from data.embedded import ensure_embedded
-from helpers import run_module, run_train
-
-RUN = ["--arch", "resnet18", "--image-size", 32, "--epochs", 1, "--global-batch-size", 32, "--workers", 0,
-       "--eval-every", 0]
-
+from helpers import run_module, run_train, tiny_trained_run
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    root = tmp_path_factory.mktemp("predict")
-    done = run_train("--out-dir", root / "run", *RUN, cwd=root)
-    assert done.returncode == 0, done.stderr
-    return root
+    return tiny_trained_run(tmp_path_factory.mktemp("predict"))
 
 
 def predict(*args, cwd):

@@ -232,3 +232,16 @@ def wait_until(condition, timeout: float, what: str, alive=()):
         if time.time() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.05)
+
+
+# a one-epoch resnet18 run at 32 px on the embedded dataset: the trained model predict, export and
+# the benchmarks are tested on
+TINY_TRAINED_RUN = ["--arch", "resnet18", "--image-size", 32, "--epochs", 1, "--global-batch-size", 32,
+                    "--workers", 0, "--eval-every", 0]
+
+
+def tiny_trained_run(root: Path) -> Path:
+    """root, holding such a run in root/run."""
+    done = run_train("--out-dir", root / "run", *TINY_TRAINED_RUN, cwd=root)
+    assert done.returncode == 0, done.stderr
+    return root
