@@ -70,6 +70,8 @@ def test_horovod_has_its_bounds_before_init(monkeypatch):
                                 allgather_object=lambda obj: [obj],
                                 init=lambda: seen.update({k: os.environ.get(k) for k in HUNG_COLLECTIVE_BOUNDS}))
     monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
+    if "horovod" in sys.modules:  # `import horovod.torch` takes the package's attribute once the real one is loaded
+        monkeypatch.setattr(sys.modules["horovod"], "torch", hvd)
     environ = {k: v for k, v in os.environ.items() if k not in HUNG_COLLECTIVE_BOUNDS}
     monkeypatch.setattr(os, "environ", {**environ, "OMP_NUM_THREADS": "1", "TRAINER_COLLECTIVE_TIMEOUT_S": "40"})
     monkeypatch.setattr(horovod_engine, "local_device", lambda local_rank: torch.device("cpu"))

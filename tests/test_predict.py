@@ -111,3 +111,33 @@ def test_folders_are_searched_for_the_data_packages_image_extensions(tmp_path):
         find_images([tmp_path / "nowhere"])
     assert {k: preprocessing(224)[k] for k in ("resize", "crop", "mean", "std")} == \
         {"resize": 256, "crop": 224, "mean": [0.485, 0.456, 0.406], "std": [0.229, 0.224, 0.225]}
+
+
+def test_an_onnx_export_classifies_images_as_its_model_does(tmp_path, capsys):
+    """The quick tier's: export_onnx with the metadata predict reads, then predict --onnx on real JPEGs
+    in-process; each image's probabilities are the eager model's on the same batch."""
+    from PIL import Image
+    from models import build_model
+    from train import predict as predict_module
+    from train.export import export_onnx
+    from train.inference import Images, preprocessing
+    torch.manual_seed(0)
+    model = build_model("resnet18", 3).eval()
+    export_onnx(model, 32, tmp_path / "m.onnx", {"class_names": json.dumps(["ant", "bee", "cat"]),
+                                                "preprocessing": json.dumps(preprocessing(32))})
+    for i in range(3):
+        Image.effect_noise((40 + 8 * i, 36), 60 + 40 * i).convert("RGB").save(tmp_path / f"{i}.jpg")
+    paths = [tmp_path / f"{i}.jpg" for i in range(3)]
+    assert predict_module.main(["--onnx", str(tmp_path / "m.onnx"), *map(str, paths), "--top-k", "3",
+                                "--json", str(tmp_path / "p.json")]) == 0
+    assert len(capsys.readouterr().out.splitlines()) == 4  # the header and a row per image
+    images = Images(32, torch.device("cpu"))
+    try:
+        [(_, batch)] = list(images.batches(paths, 8, lambda path, why: pytest.fail(why)))
+    finally:
+        images.close()
+    with torch.no_grad():
+        expected = model(batch).softmax(dim=1)
+    for result, row in zip(json.load(open(tmp_path / "p.json")), expected):
+        assert [c["class"] for c in result["top_k"]] == [["ant", "bee", "cat"][i] for i in row.argsort(descending=True)]
+        assert all(abs(c["probability"] - float(row[c["index"]])) < 1e-4 for c in result["top_k"])
