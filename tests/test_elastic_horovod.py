@@ -47,9 +47,28 @@ def worker(job, variable: str, value: str) -> int:
     """The pid of the trainer that horovodrun started with `variable` = `value` in its environment
     (HOROVOD_HOSTNAME: its host; HOROVOD_RANK: the rank it started as), 0 while there is none."""
     for pid in descendants(job.pid):
-        if process_env(pid).get(variable) == value and "train" in " ".join(psutil.Process(pid).cmdline()):
+        if process_env(pid).get(variable) == value and trainer(pid):
             return pid
     return 0
+
+
+def trainer(pid: int) -> bool:
+    """`python -m train ...` itself, not a process it started (its checkpoint writer runs train/...py)."""
+    try:
+        command = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return False
+    return any(command[i:i + 2] == ["-m", "train"] for i in range(len(command)))
+
+
+def ended(job, timeout: float, tmp_path) -> int:
+    """The job's exit code; a job still running after `timeout` seconds fails the test with what it
+    printed last and what is still alive."""
+    try:
+        return job.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        alive = [" ".join(psutil.Process(pid).cmdline())[:160] for pid in descendants(job.pid) if psutil.pid_exists(pid)]
+        pytest.fail(f"the job still runs after {timeout} s; alive: {alive}\n" + (tmp_path / "job.log").read_text()[-4000:])
 
 
 def trained_to(run_dir, step: int):
@@ -127,7 +146,7 @@ def test_fewer_workers_than_min_np_end_the_job_instead_of_hanging(tmp_path):
     try:
         wait_until(lambda: (tmp_path / "run" / "checkpoint.pt").exists(), 240, "a checkpoint", alive=[job])
         os.kill(wait_until(lambda: worker(job, "HOROVOD_HOSTNAME", hosts[2]), 10, "the third worker"), signal.SIGKILL)
-        code = job.wait(timeout=180)  # after --elastic-timeout (10 s) Horovod gives up waiting for a third host
+        code = ended(job, 180, tmp_path)  # after --elastic-timeout (10 s) Horovod gives up waiting for a third host
     finally:
         kill_tree(job)
     assert code != 0 and "at least 3 Horovod processes" in (tmp_path / "job.log").read_text()
