@@ -1,0 +1,44 @@
+"""Progress of a long wait (indexing a folder, an evaluation, writing shards, preparing ImageNet): a
+plain line at most once every few seconds, to a terminal or a file alike, saying what is being done,
+how far it is and, where the total is known, when it should end. Plain Python (no torch): data/,
+train/ and scripts/ all use it."""
+import sys
+import time
+
+EVERY_S = 5.0  # the least time between two lines of one wait
+
+
+class Progress:
+    """`tick(done)` prints `<what>: <done>[/<total>] <unit> (<rate>/s, ETA m:ss)` when EVERY_S have
+    passed since the last line (the first line comes EVERY_S after the start: a short wait prints
+    nothing). `enabled` False: silent (ranks other than 0)."""
+
+    def __init__(self, what: str, total: int | None = None, unit: str = "", enabled: bool = True,
+                 every_s: float = EVERY_S, stream=None, clock=time.monotonic):
+        self.what, self.total, self.unit, self.enabled, self.every_s = what, total, unit, enabled, every_s
+        self.stream, self.clock = stream, clock
+        self.started = self.last = clock()
+
+    def tick(self, done: int) -> None:
+        if not self.enabled:
+            return
+        now = self.clock()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        print(self.line(done, now - self.started), file=self.stream or sys.stdout, flush=True)
+
+    def line(self, done: int, seconds: float) -> str:
+        rate = done / seconds if seconds > 0 else 0.0
+        counted = f"{done:,}" + (f"/{self.total:,}" if self.total else "") + (f" {self.unit}" if self.unit else "")
+        pace = f"{rate:,.1f}/s" if rate < 100 else f"{rate:,.0f}/s"
+        if self.total and rate > 0:
+            pace += f", ETA {clock_time((self.total - done) / rate)}"
+        return f"{self.what}: {counted} ({pace})"
+
+
+def clock_time(seconds: float) -> str:
+    """h:mm:ss, or m:ss under an hour."""
+    seconds = max(0, round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
