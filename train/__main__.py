@@ -1,12 +1,12 @@
-"""`python -m train [flags]`: see `python -m train --help`."""
+"""`python -m train [flags]`: see `python -m train --help`.
+
+torch and the modules that need it are imported once the flags are read, so that --help and a refused
+flag answer at once."""
 import sys
 
-from data import DataError
+from data.tree import DataError
 from train.cli import parse
-from train.engines import detect_launch
 from train.errors import Preempted, RunAborted, RunFinished, UsageError
-from train.evaluate import test_only
-from train.loop import run
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,8 +19,12 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.show_recipe:
             from train.recipe import show_recipe
             show_recipe(cfg)
+        elif cfg.test_only:
+            from train.evaluate import test_only
+            test_only(cfg)
         else:
-            test_only(cfg) if cfg.test_only else run(cfg)
+            from train.loop import run
+            run(cfg)
     except (UsageError, DataError) as err:
         return _exit(err, f"error: {err}", 2)
     except RunAborted as err:
@@ -28,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted:  # rank 0 has said so before any rank left
         return 75  # EX_TEMPFAIL: try again (a requeued job resumes)
     except RunFinished as err:
-        if detect_launch().rank == 0:
+        if _rank() == 0:
             print(err, flush=True)
         return 0
     except KeyboardInterrupt:  # a second Ctrl-C, or one during set-up: stop now, no checkpoint
@@ -40,9 +44,15 @@ def main(argv: list[str] | None = None) -> int:
 def _exit(err: Exception, message: str, code: int) -> int:
     """Every rank exits with the code. A failure all ranks agreed on (marked `agreed`) is printed
     once, by rank 0; any other is printed by the rank that met it."""
-    if detect_launch().rank == 0 or not getattr(err, "agreed", False):
+    if _rank() == 0 or not getattr(err, "agreed", False):
         print(message, file=sys.stderr)
     return code
+
+
+
+def _rank() -> int:
+    from train.engines import detect_launch
+    return detect_launch().rank
 
 
 if __name__ == "__main__":

@@ -16,15 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from data import LOADERS
-from models import ARCHS
-from train import checkpoint
-from train.config import FIELDS, Config
-from train.engines import ALLREDUCE, ENGINES
+from train import names
+from train.config import FIELDS, GROUPS, Config
 from train.errors import UsageError
-from train.optim import OPTIMIZERS
-from train.precision import PRECISIONS
-from train.schedule import SCHEDULES, batch_changes, decay_epochs, lr_phases
 
 
 def preset_names() -> list[str]:
@@ -86,15 +80,15 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see python -m train --help")
 
 
-# torch.compile's modes (--compile-mode NAME); "default" is torch's default
-COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_MODES = names.COMPILE_MODES  # torch.compile's modes (--compile-mode NAME)
 
 
 def choices() -> dict[str, tuple]:
-    """The names each choice setting takes, from the registries that serve them."""
-    return {"loader": ("auto", *LOADERS), "dali_decode": ("auto", "cpu", "gpu"), "arch": tuple(ARCHS), "precision": PRECISIONS, "optimizer": tuple(OPTIMIZERS),
-            "lr_schedule": tuple(SCHEDULES), "engine": ("auto", *ENGINES), "allreduce": ALLREDUCE,
-            "division": ("open", "closed"), "compile_mode": COMPILE_MODES}
+    """The names each choice setting takes (train/names.py: those of the registries that serve them)."""
+    return {"loader": ("auto", *names.LOADERS), "dali_decode": names.DALI_DECODE, "arch": names.ARCHS,
+            "precision": names.PRECISIONS, "optimizer": names.OPTIMIZERS, "lr_schedule": names.SCHEDULES,
+            "engine": ("auto", *names.ENGINES), "allreduce": names.ALLREDUCE, "division": names.DIVISIONS,
+            "compile_mode": COMPILE_MODES}
 
 
 class _HelpFormatter(argparse.HelpFormatter):
@@ -102,23 +96,50 @@ class _HelpFormatter(argparse.HelpFormatter):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
+USAGE = "python -m train [--preset NAME] [--data-dir PATH] [--out-dir PATH] [OPTIONS]"
+EPILOG = ("The same command started again on a run directory continues its run. Examples: docs/README.md; "
+          "the settings a preset resolves to: --show-recipe.")
+
+
+def metavar(f) -> str:
+    """N for counts, X for other numbers, NAME for a choice, PATH for a file or folder, else TEXT."""
+    if f.type is int:
+        return "N"
+    if f.type is float:
+        return "X"
+    return f.metadata.get("metavar") or ("NAME" if f.name in choices() or f.name == "preset" else "TEXT")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train", description="Train a ResNet on ImageNet-layout data.",
-                argument_default=argparse.SUPPRESS, formatter_class=_HelpFormatter)
+    """The flags, one argument group per task (config.GROUPS), each with its help and its default said once."""
+    p = _Parser(prog="python -m train", usage=USAGE, description="Train a ResNet on ImageNet-layout data.",
+                epilog=EPILOG, argument_default=argparse.SUPPRESS, formatter_class=_HelpFormatter)
     named = {**choices(), "preset": tuple(preset_names())}
-    for f in FIELDS.values():
-        flag = "--" + f.name.replace("_", "-")
-        help_text = f.metadata.get("help", "")
-        if "default:" not in help_text:  # a help that says its default in its own words keeps only that
-            help_text += f" (default: {f.default!r})"
-        if f.name in named:  # the names go before the default
-            body, said, default = help_text.partition(" (default:")
-            help_text = f"{body}; one of {', '.join(named[f.name])}{said}{default}"
-        if f.type is bool:
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-        else:
-            p.add_argument(flag, type=f.type, metavar=f.name.upper(), help=help_text)
+    for title, members in GROUPS.items():
+        group = p.add_argument_group(title)
+        for name in members:
+            f = FIELDS[name]
+            help_text = f.metadata["help"]
+            if "default:" not in help_text:  # a help that says its default in its own words keeps only that
+                help_text += f" (default: {_shown(f.default)})"
+            if f.name in named:  # the names go before the default
+                body, said, default = help_text.partition(" (default:")
+                help_text = f"{body}; one of {', '.join(named[f.name])}{said}{default}"
+            flag = "--" + f.name.replace("_", "-")
+            if f.type is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
+            else:
+                group.add_argument(flag, type=f.type, metavar=metavar(f), help=help_text)
     return p
+
+
+def _shown(default) -> str:
+    """A default as a user types it: on/off, a number without float noise, a name unquoted, '' as none."""
+    if isinstance(default, bool):
+        return "on" if default else "off"
+    if isinstance(default, float):
+        return f"{default:g}"
+    return str(default) if default != "" else "none"
 
 
 # Settings derived from one another: a flag on the command line wins over its partner's value from
@@ -130,6 +151,7 @@ PARTNERS = {"batch_size": "global_batch_size", "global_batch_size": "batch_size"
 def parse(argv: list[str]) -> Config:
     """Defaults, then the preset, then (with --resume) the run's saved config, then the flags."""
     flags = vars(parser().parse_args(argv))
+    from train import checkpoint  # (after --help: it loads torch)
     values: dict = {}
     preset = flags.get("preset") or ("" if flags.get("data_dir") else "smoke")
     if preset:
@@ -230,9 +252,10 @@ def _check_numbers(cfg: Config) -> None:
 
 def _check_names_and_schedules(cfg: Config) -> None:
     """Names and the schedule texts read alone, before any rule that combines settings."""
-    for name, names in choices().items():
+    for name, allowed in choices().items():
         value = getattr(cfg, name)
-        _need(value in names, f"unknown --{name.replace('_', '-')} {value!r}; choose {', '.join(names[:-1])} or {names[-1]}")
+        _need(value in allowed, f"unknown --{name.replace('_', '-')} {value!r}; choose {', '.join(allowed[:-1])} or {allowed[-1]}")
+    from train.schedule import batch_changes, decay_epochs, lr_phases
     try:
         changes = batch_changes(cfg.batch_schedule)
         if cfg.lr_schedule == "multistep":

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, fields
 @dataclass
 class Config:
     # data
-    data_dir: str = field(default="", metadata={"help": "ImageNet-layout tree (train/<class>/, val/<class>/); empty: the embedded dataset"})
+    data_dir: str = field(default="", metadata={"metavar": "PATH", "help": "ImageNet-layout tree (train/<class>/, val/<class>/) or a folder of tar shards (scripts/make_shards.py) (default: the embedded dataset)"})
     loader: str = field(default="auto", metadata={"help": "input pipeline; auto: DALI decoding on the GPU where there is a GPU and DALI's CUDA build, else torch (docs/gpu.md)"})
     dali_decode: str = field(default="auto", metadata={"help": "where --loader dali decodes JPEGs; auto: on the GPU where there is one (nvJPEG), else on the CPU"})
     workers: int = field(default=4, metadata={"help": "input threads per rank: the torch loader's decoding threads, DALI's CPU threads"})
@@ -58,13 +58,13 @@ class Config:
     rmsprop_lr_ratio: float = field(default=0.001, metadata={"help": "--optimizer rmsprop-warmup: the RMSprop term's LR as a fraction of the LR"})
     rmsprop_alpha: float = field(default=0.99, metadata={"help": "--optimizer rmsprop-warmup: decay of the squared-gradient average"})
     rmsprop_epsilon: float = field(default=1e-8, metadata={"help": "--optimizer rmsprop-warmup: added to the RMS"})
-    momentum: float = field(default=0.9)
-    weight_decay: float = field(default=5e-5)
+    momentum: float = field(default=0.9, metadata={"help": "momentum of the SGD and LARS updates"})
+    weight_decay: float = field(default=5e-5, metadata={"help": "L2 weight decay (LARS and SGD leave BatchNorm and bias parameters out)"})
     lars_eta: float = field(default=0.001, metadata={"help": "LARS trust coefficient"})
     lars_epsilon: float = field(default=0.0, metadata={"help": "LARS epsilon (0 means 0)"})
     lars_compile: bool = field(default=False, metadata={
         "help": "run the LARS update through torch.compile (fewer passes over memory; the first step compiles)"})
-    label_smoothing: float = field(default=0.1)
+    label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the cross-entropy loss"})
     augment_off_epoch: int = field(default=0, metadata={"help": "from this epoch on (counted from 1) training images get the evaluation transform, no random crop or flip (0: never)"})
     # evaluation
     eval_every: int = field(default=4, metadata={"help": "evaluate every N epochs (0: never)"})
@@ -78,8 +78,8 @@ class Config:
     fp16_allreduce: bool = field(default=False, metadata={"help": "send gradients in half precision: fp16 (bf16 in a bf16 run on torch.distributed; fp32 in a bf16 run on Horovod, which cannot send bf16), averaged so the sum keeps fp16's range (docs/allreduce.md)"})
     bn_span: int = field(default=1, metadata={"help": "BatchNorm statistics over groups of this many consecutive ranks"})
     stop_check_every: int = field(default=0, metadata={"help": "steps between the ranks' agreements on a stop signal (0: spaced by what they cost, at most 0.5 percent of the training time and 30 s of training apart; train/stopping.py)"})
-    out_dir: str = field(default="", metadata={"help": "run directory (default: runs/<preset>-<time>)"})
-    seed: int = field(default=0)
+    out_dir: str = field(default="", metadata={"metavar": "PATH", "help": "run directory (default: runs/<preset>-<time>)"})
+    seed: int = field(default=0, metadata={"help": "seed of the initial weights, the data order and the augmentation (a resumed run sees the batches an uninterrupted one would)"})
     max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})
     log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
     tensorboard: bool = field(default=True, metadata={"help": "also write the train, epoch and eval records as TensorBoard scalars into RUN/tensorboard (rank 0) (default: on where the tensorboard package is installed)"})
@@ -90,20 +90,44 @@ class Config:
     keep_checkpoints: int = field(default=0, metadata={"help": "besides checkpoint.pt (the latest), keep checkpoint-epochNNN.pt of the last N epochs and checkpoint-best.pt of the best top-1 evaluated (copies of the finished checkpoint.pt, read by a resume when checkpoint.pt cannot be; 0: only checkpoint.pt)"})
     commit_every: int = field(default=50, metadata={"help": "Horovod Elastic: commit the state to host memory every N steps (and at epoch ends); a lost worker costs the steps since"})
     resume: bool = field(default=False, metadata={"help": "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)"})
-    init_from: str = field(default="", metadata={"help": "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)"})
+    init_from: str = field(default="", metadata={"metavar": "PATH", "help": "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)"})
     command_batch_size: int = field(default=0, metadata={"internal": True})  # set by parse: a restart's --batch-size, not taken
     restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
     show_recipe: bool = field(default=False, metadata={"help": "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop"})
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
-    checkpoint: str = field(default="", metadata={"help": "--test-only evaluates this checkpoint: a file in --out-dir (checkpoint-best.pt, checkpoint-epoch010.pt: --keep-checkpoints) or a path (default: --out-dir's checkpoint.pt)"})
+    checkpoint: str = field(default="", metadata={"metavar": "PATH", "help": "--test-only evaluates this checkpoint: a file in --out-dir (checkpoint-best.pt, checkpoint-epoch010.pt: --keep-checkpoints) or a path (default: --out-dir's checkpoint.pt)"})
     max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
     division: str = field(default="open", metadata={"help": "MLPerf division declared in the log"})
-    submission_org: str = field(default="reference-trainer")
+    submission_org: str = field(default="reference-trainer", metadata={"help": "organisation named in the MLPerf log (submission_org)"})
     submission_platform: str = field(default="", metadata={"help": "default: <ranks>x<device name>"})
     preset: str = field(default="", metadata={"help": "YAML preset name in train/presets or a path (default: smoke without --data-dir)"})
 
 
 FIELDS = {f.name: f for f in fields(Config) if not f.metadata.get("internal")}
+
+# --help's argument groups, by the task a user looks for a flag under; every flag is in one
+# (tests/test_help.py checks)
+GROUPS = {
+    "data and loader": ("data_dir", "loader", "dali_decode", "workers", "image_size", "crop_min_scale", "crop_max_scale",
+                        "crop_min_aspect", "crop_max_aspect", "augment_off_epoch", "num_classes", "synthetic_images",
+                        "synthetic_val_images", "synthetic_classes"),
+    "model": ("arch", "zero_init_residual", "init_from_seed"),
+    "optimizer and schedule": ("optimizer", "batch_size", "global_batch_size", "batch_schedule", "epochs", "max_steps",
+                               "lr", "lr_per_256", "lr_schedule", "warmup_epochs", "warmup_start_lr", "end_lr",
+                               "lr_decay_power", "lr_decay_epochs", "lr_decay_factor", "lr_phases", "momentum",
+                               "nesterov", "weight_decay", "label_smoothing", "lars_eta", "lars_epsilon",
+                               "sgd_share_center", "sgd_share_width", "rmsprop_lr_ratio", "rmsprop_alpha",
+                               "rmsprop_epsilon", "max_bad_steps"),
+    "precision and speed": ("precision", "channels_last", "compile", "compile_mode", "lars_compile", "threads"),
+    "distributed and all-reduce": ("engine", "allreduce", "ranks_per_node", "torus_rows", "fp16_allreduce",
+                                   "stop_check_every", "commit_every"),
+    "BatchNorm": ("bn_group_size", "bn_span", "bn_recompute_batches"),
+    "checkpoints and resume": ("out_dir", "resume", "init_from", "checkpoints", "checkpoint_every",
+                               "checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints"),
+    "evaluation": ("eval_every", "eval_offset", "target_accuracy", "test_only", "checkpoint"),
+    "logging": ("log_every", "tensorboard", "division", "submission_org", "submission_platform"),
+    "presets and recipes": ("preset", "seed", "show_recipe"),
+}
 PREEMPTED_MARKER = "PREEMPTED"  # written beside checkpoint.pt when a signal stopped the run
 
 

@@ -17,7 +17,7 @@ import torch
 
 from train.errors import UsageError
 
-PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision NAME
+from train.names import PRECISIONS  # --precision NAME
 BF16_CAPABILITY = (8, 0)  # bf16 TensorCores from Ampere (sm 8.0) on
 
 

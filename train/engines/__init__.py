@@ -22,7 +22,7 @@ from train.errors import UsageError
 
 __all__ = ["ALLREDUCE", "ENGINES", "Engine", "Launch", "create", "detect_launch", "tell_refusal", "use_interface"]
 
-ALLREDUCE = ("flat", "hierarchical", "torus")  # --allreduce NAME
+from train.names import ALLREDUCE  # --allreduce NAME
 
 
 @runtime_checkable
