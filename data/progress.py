@@ -2,10 +2,11 @@
 plain line at most once every few seconds, to a terminal or a file alike, saying what is being done,
 how far it is and, where the total is known, when it should end. Plain Python (no torch): data/,
 train/ and scripts/ all use it."""
+import os
 import sys
 import time
 
-EVERY_S = 5.0  # the least time between two lines of one wait
+EVERY_S = 5.0  # the least time between two lines of one wait (TRAINER_PROGRESS_EVERY_S overrides it)
 
 
 class Progress:
@@ -14,8 +15,9 @@ class Progress:
     nothing). `enabled` False: silent (ranks other than 0)."""
 
     def __init__(self, what: str, total: int | None = None, unit: str = "", enabled: bool = True,
-                 every_s: float = EVERY_S, stream=None, clock=time.monotonic):
-        self.what, self.total, self.unit, self.enabled, self.every_s = what, total, unit, enabled, every_s
+                 every_s: float | None = None, stream=None, clock=time.monotonic):
+        self.what, self.total, self.unit, self.enabled = what, total, unit, enabled
+        self.every_s = float(os.environ.get("TRAINER_PROGRESS_EVERY_S", EVERY_S)) if every_s is None else every_s
         self.stream, self.clock = stream, clock
         self.started = self.last = clock()
 

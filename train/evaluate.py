@@ -5,6 +5,7 @@ import hashlib
 
 import torch
 
+from data.progress import Progress
 from models import build_model
 from train.config import Config
 from train.startup import prepare_evaluation
@@ -25,13 +26,17 @@ def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
     model.eval()
     hits_so_far = torch.zeros(2, dtype=torch.int64, device=engine.device)  # top-1, top-5: on the device until the end
     images = 0
-    for batch, labels in loader.val_batches():
+    share = -(-loader.val_images // engine.world_size)  # rank 0's images (its share, rounded up)
+    said = Progress("evaluating", unit="batches", enabled=engine.rank == 0)
+    for done, (batch, labels) in enumerate(loader.val_batches(), 1):
         with precision.autocast():
             logits = model(batch)
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top == labels[:, None]
         hits_so_far += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()])
         images += len(labels)
+        said.total = said.total or -(-share // len(labels))  # (the batch size, from the first batch)
+        said.tick(done)
     counts = engine.all_reduce_sum(torch.cat([hits_so_far, hits_so_far.new_tensor([images])]))
     top1, top5, total = counts.tolist()
     return top1 / max(total, 1), top5 / max(total, 1), total

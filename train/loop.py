@@ -104,14 +104,13 @@ class Training:
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
-        self.ledger = SampleLedger()
-        self.skipped = SkippedFiles(engine, self.log.warning)
+        self.ledger, self.skipped = SampleLedger(), SkippedFiles(engine, self.log.warning)
         self.agreements = Agreements(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.restart_flags = setup.restart_flags
         self.step_timer = step_timer.attach(engine) if step_timer else None  # python -m train.bench only: it syncs
         self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
-        self.host_memory_unreserved = True  # (for rank 0's checkpoint copies: host_memory.reserve)
+        self.host_memory_unreserved = True  # (rank 0's checkpoint copies: host_memory.reserve)
         if setup.init:  # --init-from's weights, checked at start-up; every rank loads the same
             (weights, said), setup.init = setup.init, None  # (not held for the whole run once loaded)
             model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
@@ -135,8 +134,7 @@ class Training:
         self.log.print(f"resuming {self.out_dir} at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of the epoch)")
         if self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-            # a write cut short by a killed process (not under Horovod Elastic: a joining worker would take
-            # the running rank 0's write in flight for one)
+            # a write cut short by a killed process (not under Horovod Elastic: it may be a running rank 0's)
             for leftover in [] if self.engine.elastic else self.out_dir.glob(".checkpoint*.pt.*.tmp"):
                 leftover.unlink(missing_ok=True)
             if not self.engine.elastic and not fallback:  # the copies a run killed after its last write had no time to make
@@ -223,7 +221,8 @@ class Training:
         window, self.epoch_meter = LossMeter(engine.device), LossMeter(engine.device)
         batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
         batches = self.step_timer.timed(batches) if self.step_timer else batches  # (bench: each batch's wait timed)
-        batches = progress(batches, self.loader.steps_per_epoch - s.step_in_epoch, engine.rank == 0, f"epoch {s.epoch + 1}")
+        batches = progress(batches, self.loader.steps_per_epoch - s.step_in_epoch, self.schedule.global_batch(s.epoch),
+                           engine.rank == 0, f"epoch {s.epoch + 1}")
         for images, labels in batches:
             self.ledger.add(self.loader.last_positions)
             loss = self.train_step(images, labels)
@@ -430,7 +429,8 @@ class Training:
         s = self.state
         mean_loss, seconds = window.mean(self.engine), window.seconds()  # host sync, then the clock
         self._check_finite()
-        self.log.train_window(step=s.step, epoch=s.epoch + s.step_in_epoch / self.loader.steps_per_epoch,
+        self.log.train_window((s.epoch + 1, s.step_in_epoch, self.loader.steps_per_epoch), seconds / window.steps,
+                              step=s.step, epoch=s.epoch + s.step_in_epoch / self.loader.steps_per_epoch,
                               images=self.clock.images(s.step), img_per_s=round(self._images_of(window) / seconds, 2),
                               loss=mean_loss, lr=self.lr, **self.precision.log_fields())
 

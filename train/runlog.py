@@ -15,6 +15,8 @@ from pathlib import Path
 from mlperf_logging.mllog import constants as K
 from mlperf_logging.mllog.mllog import MLLogger
 
+from data.progress import clock_time
+
 
 class RunLog:
     """`seconds` in metrics.jsonl is training time: it runs from the first segment's run_start and
@@ -98,9 +100,15 @@ class RunLog:
                         epoch_count=self.eval_plan.next_eval(epoch) - epoch + 1)
         self._start(K.EPOCH_START, epoch_num=epoch)
 
-    def train_window(self, **record) -> None:
-        """A logging window of training steps: step, epoch, images, img_per_s, loss, lr, ..."""
+    def train_window(self, at: tuple[int, int, int], step_s: float, **record) -> None:
+        """A logging window of training steps (record: step, epoch, images, img_per_s, loss, lr, ...),
+        ending at step `at[1]` of epoch `at[0]`'s `at[2]`, `step_s` seconds a step. Where no terminal
+        shows the progress bar (a batch job's output file, a pipe), a line says so with the epoch's ETA."""
         self.metrics(kind="train", **record, seconds=self.seconds())
+        if self.enabled and not interactive():
+            epoch, done, steps = at
+            self.print(f"train {epoch:3d}/{self.cfg.epochs}  step {done:{len(str(steps))}d}/{steps}  {record['img_per_s']:8.1f} img/s  "
+                       f"loss {record['loss']:.4f}  lr {record['lr']:.4g}  ETA {clock_time((steps - done) * step_s)}")
 
     def checkpoint(self, step: int, copy_s: float, write_s: float, started: float) -> None:
         """A checkpoint reached the disk: `copy_s` on the training thread (to host memory), `write_s`
@@ -240,9 +248,26 @@ def _previous_segment(path: Path) -> dict:
     return {key: value for key, value in found.items() if value is not None}
 
 
-def progress(iterable, total: int, enabled: bool, desc: str):
-    """A tqdm bar on an interactive terminal; the plain iterable in files and CI."""
-    if not enabled or not sys.stderr.isatty():
-        return iterable
+def interactive() -> bool:
+    """A person at a terminal sees the output (stdout and stderr both on one): a progress bar then,
+    plain lines otherwise."""
+    return sys.stdout.isatty() and sys.stderr.isatty()
+
+
+def progress(batches, steps: int, images_per_step: int, enabled: bool, desc: str):
+    """On a terminal, the batches through a tqdm bar that counts images (so its rate is images/s over
+    all ranks), each step's once it is done; elsewhere the batches as they are (RunLog.train_window
+    prints a line every --log-every steps instead)."""
+    if not enabled or not interactive():
+        return batches
     from tqdm import tqdm
-    return tqdm(iterable, total=total, desc=desc, leave=False, dynamic_ncols=True)
+    bar = tqdm(total=steps * images_per_step, desc=desc, unit="img", unit_scale=True, leave=False, dynamic_ncols=True)
+
+    def counted():
+        try:
+            for batch in batches:
+                yield batch
+                bar.update(images_per_step)
+        finally:
+            bar.close()
+    return counted()
