@@ -37,8 +37,8 @@ class Config:
     init_from_seed: bool = field(default=False, metadata={"help": "every rank builds the initial model from --seed instead of receiving rank 0's by broadcast (a checksum checks they agree)"})
     precision: str = field(default="auto", metadata={"help": "fp16 is CUDA only; auto: bf16 from compute capability 8.0 up (A100, H100), fp16 with loss scaling below (V100, T4), fp32 on CPU (docs/precision.md)"})
     # optimisation
-    optimizer: str = field(default="lars", metadata={"help": "optimizer (train/optim.py)"})
-    lr_schedule: str = field(default="warmup-poly", metadata={"help": "what changes during the run (train/schedule.py)"})
+    optimizer: str = field(default="lars", metadata={"help": "the update rule: LARS with MLPerf's semantics (docs/lars.md), momentum SGD, or RMSprop handing over to SGD (docs/seed_systems.md)"})
+    lr_schedule: str = field(default="warmup-poly", metadata={"help": "how the LR moves: linear warmup then polynomial decay (MLPerf's), steps at --lr-decay-epochs, or --lr-phases"})
     batch_size: int = field(default=0, metadata={"help": "images per rank per step (0: --global-batch-size / ranks; when neither is set, on a GPU the largest power of two up to 256 whose step fits its memory, 256 on a CPU)"})
     global_batch_size: int = field(default=0, metadata={"help": "images per step over all ranks (0: --batch-size x ranks)"})
     batch_schedule: str = field(default="", metadata={"help": "batch-size control: 'E:B,...' = global batch B after E epochs (e.g. '30:69632'); per-rank batch and LR follow"})
@@ -61,7 +61,7 @@ class Config:
     momentum: float = field(default=0.9, metadata={"help": "momentum of the SGD and LARS updates"})
     weight_decay: float = field(default=5e-5, metadata={"help": "L2 weight decay (LARS and SGD leave BatchNorm and bias parameters out)"})
     lars_eta: float = field(default=0.001, metadata={"help": "LARS trust coefficient"})
-    lars_epsilon: float = field(default=0.0, metadata={"help": "LARS epsilon (0 means 0)"})
+    lars_epsilon: float = field(default=0.0, metadata={"help": "added to the norms of LARS's trust ratio"})
     lars_compile: bool = field(default=False, metadata={
         "help": "run the LARS update through torch.compile (fewer passes over memory; the first step compiles)"})
     label_smoothing: float = field(default=0.1, metadata={"help": "label smoothing of the cross-entropy loss"})
@@ -71,7 +71,7 @@ class Config:
     eval_offset: int = field(default=0, metadata={"help": "evaluate after epoch e when (e + offset) %% eval_every == 0"})
     target_accuracy: float = field(default=0.0, metadata={"help": "stop once top-1, a fraction (0.759 for 75.9 percent), reaches this (0: run all epochs)"})
     # run
-    engine: str = field(default="auto", metadata={"help": "auto: from the launcher's environment"})
+    engine: str = field(default="auto", metadata={"help": "how the ranks talk: none (one process), torch (torch.distributed), horovod; auto: from the launcher's environment (torchrun, horovodrun, mpirun, srun)"})
     allreduce: str = field(default="flat", metadata={"help": "hierarchical: reduce-scatter in the node, all-reduce across nodes, all-gather; torus: the same on a grid of --torus-rows, half of each bucket each way (docs/allreduce.md)"})
     ranks_per_node: int = field(default=0, metadata={"help": "node size for --allreduce hierarchical (0: ranks sharing a host name)"})
     torus_rows: int = field(default=0, metadata={"help": "--allreduce torus: ranks in one line of the grid, among which the reduce-scatter runs (0: the ranks per node)"})
@@ -81,7 +81,7 @@ class Config:
     out_dir: str = field(default="", metadata={"metavar": "PATH", "help": "run directory (default: runs/<preset>-<time>)"})
     seed: int = field(default=0, metadata={"help": "seed of the initial weights, the data order and the augmentation (a resumed run sees the batches an uninterrupted one would)"})
     max_steps: int = field(default=0, metadata={"help": "stop after N optimizer steps (0: no limit)"})
-    log_every: int = field(default=50, metadata={"help": "steps between throughput log points"})
+    log_every: int = field(default=50, metadata={"help": "steps between logging points: a train record in metrics.jsonl and, where no terminal shows the progress bar, a progress line"})
     tensorboard: bool = field(default=True, metadata={"help": "also write the train, epoch and eval records as TensorBoard scalars into RUN/tensorboard (rank 0) (default: on where the tensorboard package is installed)"})
     checkpoints: bool = field(default=True, metadata={"help": "write checkpoint.pt (--no-checkpoints: nothing but the logs, no checkpoint and no kept copy; a restarted run then starts again from step 0)"})
     checkpoint_every: int = field(default=1, metadata={"help": "epochs between checkpoints (the end is always saved)"})
@@ -97,9 +97,9 @@ class Config:
     test_only: bool = field(default=False, metadata={"help": "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run"})
     checkpoint: str = field(default="", metadata={"metavar": "PATH", "help": "--test-only evaluates this checkpoint: a file in --out-dir (checkpoint-best.pt, checkpoint-epoch010.pt: --keep-checkpoints) or a path (default: --out-dir's checkpoint.pt)"})
     max_bad_steps: int = field(default=20, metadata={"help": "stop after this many consecutive non-finite losses"})
-    division: str = field(default="open", metadata={"help": "MLPerf division declared in the log"})
+    division: str = field(default="open", metadata={"help": "MLPerf division declared in the log (closed: MLPerf's rules on optimizer and schedule are checked)"})
     submission_org: str = field(default="reference-trainer", metadata={"help": "organisation named in the MLPerf log (submission_org)"})
-    submission_platform: str = field(default="", metadata={"help": "default: <ranks>x<device name>"})
+    submission_platform: str = field(default="", metadata={"help": "platform named in the MLPerf log (default: <ranks>x<device name>)"})
     preset: str = field(default="", metadata={"help": "YAML preset name in train/presets or a path (default: smoke without --data-dir)"})
 
 
