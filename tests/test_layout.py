@@ -186,7 +186,9 @@ def test_choices_in_help_and_validation_come_from_the_registries():
     from data import LOADERS
     from train.optim import OPTIMIZERS
     from train.schedule import SCHEDULES
-    named = choices()
+    from models import ARCHS
+    named = choices()  # (train/names.py: the names without torch, for a fast --help)
+    assert named["arch"] == tuple(ARCHS) and named["allreduce"] == engines.ALLREDUCE
     assert named["loader"] == ("auto", *LOADERS) and named["optimizer"] == tuple(OPTIMIZERS)
     assert named["lr_schedule"] == tuple(SCHEDULES) and named["engine"] == ("auto", *engines.ENGINES)
     help_text = "".join(parser().format_help().split())  # (argparse wraps lines, even at hyphens)
