@@ -54,6 +54,7 @@ def test_two_ranks_with_bn_span_2_match_one_process_with_the_global_batch(engine
                     "--max-steps", 5, "--bn-span", 2, "--engine", engine, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert worst_relative_change_gap(weights(tmp_path / "run"), single_process_reference) <= 1e-3
+    assert len(re.findall(r"train +1/16  step +\d/10 ", result.stdout)) == 5  # a progress line a step, rank 0's alone
     assert '"key": "model_bn_span", "value": 16' in (tmp_path / "run" / "mllog.txt").read_text()
     assert '"key": "global_batch_size", "value": 16' in (tmp_path / "run" / "mllog.txt").read_text()
 
