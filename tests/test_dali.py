@@ -19,7 +19,7 @@ from train.config import Config
 
 STD_255 = torch.tensor([0.229, 0.224, 0.225]).view(1, 3, 1, 1) * 255
 # the two loaders' evaluation batches differ by the resamplers' own rounding only: at most one level
-# of 255 in a pixel (DALI resamples in float, torch's uint8 antialiasing in fixed point; README)
+# of 255 in a pixel (DALI resamples in float, torch's uint8 antialiasing in fixed point; docs/settings.md)
 RESAMPLING_LEVELS = 1 + 1e-3
 
 

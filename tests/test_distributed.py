@@ -270,7 +270,7 @@ def _start_and_wait(command, cwd, token, records=3, **popen):
 def test_a_signal_to_torchrun_itself_checkpoints_once_and_torchrun_reports_1(signum, tmp_path):
     """SIGTERM to torchrun (a scheduler stopping the job), or SIGINT to its whole process group
     (Ctrl-C): torchrun forwards SIGTERM to its workers, they checkpoint and stop, the message comes
-    once, and torchrun itself ends with its own code, 1 (as the README says)."""
+    once, and torchrun itself ends with its own code, 1 (as docs/run_directory.md says)."""
     token = f"torchrun-{signum}-{os.getpid()}-{time.time()}"
     args = ["-m", "train", "--out-dir", "run", *SYNTHETIC, "--global-batch-size", 16, "--epochs", 100, "--engine", "torch"]
     job = _start_and_wait(launch_command("torch", 2, *args), tmp_path, token, start_new_session=True)

@@ -16,7 +16,7 @@ from helpers import child_env, free_port, kill_tree, read_metrics, start, torchr
 
 pytestmark = pytest.mark.multiprocess
 
-# torchrun as the README says to run it with restarts: torch 2.14's agents share their rendezvous store with
+# torchrun as docs/multinode.md says to run it with restarts: torch 2.14's agents share their rendezvous store with
 # the workers and keep it across restarts, where a restarted gloo group reads the last attempt's addresses
 # and never connects, unless the agents run with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (the trainer refuses
 # --max-restarts without it: test_restarts_without_an_own_store_are_refused)

@@ -48,7 +48,7 @@ class Cluster:
     @staticmethod
     def horovodrun_command(*args, mpi=False, hosts="node1:2,node2:2") -> list:
         ranks = sum(int(h.split(":")[1]) for h in hosts.split(","))
-        # horovodrun's own traffic pinned to the management network, as the README advises; so its
+        # horovodrun's own traffic pinned to the management network, as docs/multinode.md advises; so its
         # HOROVOD_GLOO_IFACE names mgmt0 too, and only the trainer's TRAINER_IFACE moves the collectives
         return [BIN / "horovodrun", "-np", ranks, "-H", hosts, "--disable-cache", "--network-interface", "mgmt0",
                 "--mpi" if mpi else "--gloo", PYTHON, "-m", "train", *args]
