@@ -12,7 +12,8 @@ infer [CHECKPOINT_OR_RUN]: latency percentiles and images/s per batch size for e
 compile: torch.compile, onnxruntime), in the run's precision (an untrained --arch without a source),
 the device synchronised around each timed call; a table, the JSON report and a PNG beside it.
 """
-import argparse
+from __future__ import annotations
+
 import json
 import logging
 import shutil
@@ -20,32 +21,20 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
+from train.bench_flags import BACKENDS, mode_parser, parser
 from train.errors import UsageError
+
+if TYPE_CHECKING:
+    import torch
+
+# torch and numpy are imported by the code that measures: --help and a refused flag answer without them
 
 TRAIN_KEYS = ("images_per_s", "images_per_s_per_rank", "data_wait_ms_p50", "data_wait_ms_p95", "compute_ms_p50",
               "compute_ms_p95", "input_bound", "steps", "ranks")
 INPUT_BOUND_SHARE = 0.10  # input bound: the median wait for data is more than this share of the median step
-BACKENDS = ("eager", "compile", "onnxruntime")
 PERCENTILES = (50, 90, 95, 99)
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like the trainer
-        raise UsageError(f"{message}; see python -m train.bench {self.prog.split()[-1]} --help")
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
-    return value
 
 
 # train ---------------------------------------------------------------------------------------------
@@ -66,6 +55,7 @@ class StepTimer:
 
     def _sync(self) -> None:
         if self.engine.device.type == "cuda":
+            import torch
             torch.cuda.synchronize(self.engine.device)
 
     def timed(self, batches):
@@ -96,6 +86,7 @@ class StepTimer:
 def train_report(ranks: list[list[tuple[float, float, int]]]) -> dict:
     """The report from every rank's measured steps: per step the slowest rank's wait and compute (a step
     is as slow as its slowest rank), their percentiles, and images/s over the steps' time."""
+    import numpy as np
     waits = np.array([[wait for wait, _, _ in steps] for steps in ranks]).max(axis=0)
     computes = np.array([[compute for _, compute, _ in steps] for steps in ranks]).max(axis=0)
     images = sum(n for steps in ranks for _, _, n in steps)
@@ -125,16 +116,11 @@ def _values(argv: list[str], flag: str) -> list[str]:
 
 
 def bench_train(argv: list[str]) -> int:
-    from train.cli import parse
+    ours, rest = mode_parser("train").parse_known_args(argv)
+    from train.cli import parse  # (after --help: these load torch)
     from train.engines import detect_launch
     from train.loop import run
 
-    p = _Parser(prog="python -m train.bench train", description="Time the trainer's own step; every other flag is "
-                "python -m train's (python -m train --help).", allow_abbrev=False)
-    p.add_argument("--warmup-steps", type=_positive, default=5, help="steps run before the measured ones (default: 5)")
-    p.add_argument("--steps", type=_positive, default=20, help="measured steps (default: 20)")
-    p.add_argument("--report", default="bench-train.json", help="the JSON report rank 0 writes (default: bench-train.json)")
-    ours, rest = p.parse_known_args(argv)
     for flag, why in BENCH_OWNS.items():
         if _given(rest, flag):
             raise UsageError(f"{flag} is the benchmark's to set ({why}); drop it")
@@ -186,27 +172,10 @@ def _write_json(path: Path, value: dict) -> None:
 
 # infer ---------------------------------------------------------------------------------------------
 def bench_infer(argv: list[str]) -> int:
-    from models import ARCHS
-    from train.precision import PRECISIONS, Precision
+    args = mode_parser("infer").parse_args(argv)
+    import torch  # (after --help: it loads torch)
 
-    p = _Parser(prog="python -m train.bench infer", description="Time inference of a trained model (or an untrained "
-                "--arch) per batch size and backend.", allow_abbrev=False)
-    p.add_argument("source", nargs="?", default="", help="a checkpoint file or a run directory (default: an untrained "
-                   "--arch at --image-size)")
-    p.add_argument("--arch", default="resnet50", choices=tuple(ARCHS), help="the untrained model's (default: resnet50)")
-    p.add_argument("--image-size", type=_positive, default=224, help="the untrained model's input size (default: 224)")
-    p.add_argument("--num-classes", type=_positive, default=1000, help="the untrained model's classes (default: 1000)")
-    p.add_argument("--precision", default="", choices=("", *PRECISIONS), help="default: the run's (auto for an "
-                   "untrained model: by the device, as a run chooses)")
-    p.add_argument("--batch-sizes", default="1,8,32,128,256", help="comma-separated (default: 1,8,32,128,256)")
-    p.add_argument("--backends", default=",".join(BACKENDS), help=f"comma-separated, of {', '.join(BACKENDS)} (default: "
-                   "all; onnxruntime left out with a note where it is not installed, unless named)")
-    p.add_argument("--warmup-iterations", type=_positive, default=5, help="untimed calls per batch size first (default: 5)")
-    p.add_argument("--iterations", type=_positive, default=30, help="timed calls per batch size (default: 30)")
-    p.add_argument("--threads", type=int, default=0, help="torch's intra-op threads (0: torch's default)")
-    p.add_argument("--report", default="bench-infer.json", help="the JSON report; the PNG is written beside it with "
-                   "the same name (default: bench-infer.json)")
-    args = p.parse_args(argv)
+    from train.precision import Precision
     batch_sizes = _batch_sizes(args.batch_sizes)
     backends = [name.strip() for name in args.backends.split(",") if name.strip()]
     unknown = [name for name in backends if name not in BACKENDS]
@@ -269,6 +238,8 @@ def _onnx_missing() -> str:
 
 def _model(args, device: torch.device):
     """(model in eval mode, image size, precision name, what it is): the source's, or an untrained --arch."""
+    import torch
+
     from models import build_model
     if args.source:
         model, image_size, precision_name, what = _trained(args.source, device)
@@ -293,6 +264,7 @@ def _trained(source: str, device: torch.device):
 
 def _backend(name: str, model, image_size: int, precision, device: torch.device, scratch: Path):
     """A function of a batch on the device that runs the model on `name`."""
+    import torch
     if name in ("eager", "compile"):
         if name == "compile":  # (a GPU-less host with nvcc: "No CUDA runtime", as the trainer says none)
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -319,6 +291,8 @@ def _backend(name: str, model, image_size: int, precision, device: torch.device,
 
 
 def _measure(backend: str, call, batch: int, image_size: int, device: torch.device, warmup: int, iterations: int) -> dict:
+    import numpy as np
+    import torch
     generator = torch.Generator().manual_seed(batch)
     images = torch.randn(batch, 3, image_size, image_size, generator=generator).to(device)
     images = images.contiguous(memory_format=torch.channels_last)
@@ -377,23 +351,23 @@ def plot(results: list[dict], path: Path, title: str) -> None:
 
 
 # the command ---------------------------------------------------------------------------------------
-MODES = {"train": bench_train, "infer": bench_infer}
+MODES = {"train": bench_train, "infer": bench_infer}  # (their flags: train/bench_flags.py)
 
 
 def main(argv: list[str] | None = None) -> int:
-    from data import DataError
-    from train.engines import detect_launch
+    from data.tree import DataError
     from train.errors import Preempted, RunAborted
     argv = sys.argv[1:] if argv is None else argv
     try:
         if not argv or argv[0] not in MODES:
             if argv and argv[0] in ("-h", "--help"):
-                print(__doc__)
+                parser().print_help()
                 return 0
             raise UsageError(f"give a mode: python -m train.bench train [flags] or python -m train.bench infer "
                              f"[CHECKPOINT_OR_RUN] [flags]{f', not {argv[0]!r}' if argv else ''}")
         return MODES[argv[0]](argv[1:])
     except (UsageError, DataError) as err:  # (the trainer's agreed errors: printed once, by rank 0)
+        from train.engines import detect_launch
         if detect_launch().rank == 0 or not getattr(err, "agreed", False):
             print(f"error: {err}", file=sys.stderr)
         return 2

@@ -91,8 +91,11 @@ def choices() -> dict[str, tuple]:
             "compile_mode": COMPILE_MODES}
 
 
-class _HelpFormatter(argparse.HelpFormatter):
-    def _split_lines(self, text, width):  # names like mlperf-bs1632 stay whole on one line
+class HelpFormatter(argparse.HelpFormatter):
+    """Every command's --help (train, train.plan, train.score, ...): names like mlperf-bs1632 and
+    ib-hdr stay whole on one line."""
+
+    def _split_lines(self, text, width):
         return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
@@ -113,7 +116,7 @@ def metavar(f) -> str:
 def parser() -> argparse.ArgumentParser:
     """The flags, one argument group per task (config.GROUPS), each with its help and its default said once."""
     p = _Parser(prog="python -m train", usage=USAGE, description="Train a ResNet on ImageNet-layout data.",
-                epilog=EPILOG, argument_default=argparse.SUPPRESS, formatter_class=_HelpFormatter)
+                epilog=EPILOG, argument_default=argparse.SUPPRESS, formatter_class=HelpFormatter)
     named = {**choices(), "preset": tuple(preset_names())}
     for title, members in GROUPS.items():
         group = p.add_argument_group(title)

@@ -16,17 +16,26 @@ data_dir; the embedded dataset's, generated on first use, for a run without imag
 absolute logit difference and whether top-1 agrees on every image are printed; above --tolerance
 (1e-4) the file is removed and the exit status is 1. docs/inference.md.
 """
+from __future__ import annotations
+
 import argparse
 import copy
 import json
 import sys
 from pathlib import Path
 from types import SimpleNamespace
+from typing import TYPE_CHECKING
 
-import torch
-
+from train.cli import HelpFormatter
 from train.errors import UsageError
-from train.inference import Images, Trained, export_metadata, load_trained
+
+if TYPE_CHECKING:
+    import torch
+
+    from train.inference import Trained
+
+# torch, and train.inference that loads it, are imported by the functions that use them: --help and a
+# refused flag answer without loading torch
 
 TOLERANCE = 1e-4  # the largest absolute logit difference an export may show against the PyTorch model
 CHECK_IMAGES = 16  # validation images in the check's batch, spread over the split
@@ -36,14 +45,17 @@ INSTALL = "pip install -e '.[onnx]' (scripts/setup.sh installs it)"
 def _fp32_copy(model: torch.nn.Module) -> torch.nn.Module:
     """The model as exported: a copy (the caller's model stays as it is) in fp32, eval mode, on the
     CPU, contiguous weights."""
+    import torch
     return copy.deepcopy(model).float().eval().cpu().to(memory_format=torch.contiguous_format)
 
 
 def _example(image_size: int) -> tuple[torch.Tensor]:
+    import torch
     return (torch.zeros(2, 3, image_size, image_size),)
 
 
 def _batch_dim():
+    import torch
     return ({0: torch.export.Dim("batch")},)  # (2 in the example, any size at run time)
 
 
@@ -55,6 +67,7 @@ def export_onnx(model: torch.nn.Module, image_size: int, out: Path, metadata: di
         import onnxscript  # noqa: F401  (torch.onnx.export's exporter needs it; said here by name)
     except ImportError as err:
         raise UsageError(f"ONNX export needs onnx and onnxscript ({err.name} is missing): {INSTALL}") from None
+    import torch
     out = Path(out)
     torch.onnx.export(_fp32_copy(model), _example(image_size), str(out), input_names=["images"],
                       output_names=["logits"], dynamic_shapes=_batch_dim(), external_data=False, verbose=False)
@@ -71,6 +84,7 @@ def export_pt2(model: torch.nn.Module, image_size: int, out: Path, metadata: dic
     the batch dimension dynamic; `metadata` inside it as extra file metadata.json and beside it as
     sidecar(out) (JSON: class_names a list, preprocessing an object, the rest strings). Returns the
     sidecar's path."""
+    import torch
     out = Path(out)
     program = torch.export.export(_fp32_copy(model), _example(image_size), dynamic_shapes=_batch_dim())
     facts = _readable(metadata or {})
@@ -101,8 +115,11 @@ def check_images(trained: Trained, count: int = CHECK_IMAGES) -> tuple[torch.Ten
     through the evaluation transform, on the CPU; and where they came from. A run without image files
     (synthetic data), or whose data is no longer there, takes the embedded dataset's (generated on
     first use)."""
+    import torch
+
     from data.sources import open_split
     from data.tree import DataError, check_tree
+    from train.inference import Images
     from train.startup import resolve_data_dir
     config = trained.config
     run_data = resolve_data_dir(SimpleNamespace(data_dir=config.get("data_dir", ""), loader=config.get("loader", "torch")))
@@ -139,6 +156,7 @@ def run_onnx(path: Path, batch: torch.Tensor) -> torch.Tensor:
     """The logits of an ONNX file for `batch`, after onnx.checker has passed it, by ONNX Runtime."""
     import onnx
     import onnxruntime
+    import torch
     onnx.checker.check_model(str(path))
     session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return torch.from_numpy(session.run(["logits"], {"images": batch.numpy()})[0])
@@ -146,6 +164,7 @@ def run_onnx(path: Path, batch: torch.Tensor) -> torch.Tensor:
 
 def run_pt2(path: Path, batch: torch.Tensor) -> torch.Tensor:
     """The logits of a .pt2 archive for `batch`, loaded back with torch.export.load."""
+    import torch
     with torch.no_grad():
         return torch.export.load(str(path)).module()(batch)
 
@@ -159,14 +178,32 @@ def compare(expected: torch.Tensor, got: torch.Tensor) -> tuple[float, int]:
 
 
 # the command ----------------------------------------------------------------------------------------
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other refusal
+        raise UsageError(f"{message}; see python -m train.export --help")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The flags, one argument group per task, each with its help and its default said once."""
+    p = _Parser(prog="python -m train.export", usage="python -m train.export CHECKPOINT_OR_RUN --format onnx|pt2 "
+                "--out FILE [--tolerance X]", description=__doc__.split("\n\n")[0],
+                epilog="The file's input, output and metadata, and how to load it: docs/inference.md.",
+                formatter_class=HelpFormatter)
+    p.add_argument("source", metavar="CHECKPOINT_OR_RUN", help="a checkpoint file or a run directory (its checkpoint.pt)")
+    written = p.add_argument_group("the file written")
+    written.add_argument("--format", required=True, choices=("onnx", "pt2"), metavar="NAME",
+                         help="onnx (torch.onnx.export, for ONNX Runtime) or pt2 (torch.export.save); required")
+    written.add_argument("--out", required=True, metavar="FILE", help="the file written (pt2: FILE.json beside it "
+                         "too); required")
+    check = p.add_argument_group("the check against the PyTorch model")
+    check.add_argument("--tolerance", type=float, default=TOLERANCE, metavar="X",
+                       help="largest absolute logit difference allowed; above it the file is removed and the exit "
+                            f"status is 1 (default: {TOLERANCE:g})")
+    return p
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.export", description=__doc__.splitlines()[0])
-    parser.add_argument("source", metavar="CHECKPOINT_OR_RUN", help="a checkpoint file or a run directory (its checkpoint.pt)")
-    parser.add_argument("--format", required=True, choices=("onnx", "pt2"))
-    parser.add_argument("--out", required=True, metavar="FILE", help="the file written (pt2: FILE.json beside it too)")
-    parser.add_argument("--tolerance", type=float, default=TOLERANCE,
-                        help=f"largest absolute logit difference against the PyTorch model (default {TOLERANCE:g})")
-    return parser.parse_args(argv)
+    return parser().parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def export(args: argparse.Namespace) -> int:
+    import torch
+
+    from train.inference import export_metadata, load_trained
     out = Path(args.out)
     if not out.parent.is_dir():
         raise UsageError(f"--out {out}: its folder {out.parent} does not exist; create it or choose another")

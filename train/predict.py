@@ -11,32 +11,52 @@ import csv
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
+from train.cli import HelpFormatter
 from train.errors import UsageError
-from train.inference import Images, find_images, image_size_of, load_trained
-from train.precision import Precision
 
-USAGE = ("python -m train.predict CHECKPOINT_OR_RUN PATH... [--top-k 5] [--batch-size N] [--json FILE] [--csv FILE] "
-         "[--labels-from-folders]\n       python -m train.predict --onnx FILE PATH... [same options]")
+if TYPE_CHECKING:
+    import torch
+
+# torch, and train.inference and train.precision that load it, are imported by the code that runs a
+# model: --help and a refused flag answer without loading torch
+
+USAGE = ("python -m train.predict CHECKPOINT_OR_RUN PATH... [OPTIONS]\n"
+         "       python -m train.predict --onnx FILE PATH... [OPTIONS]")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other refusal
+        raise UsageError(f"{message}; see python -m train.predict --help")
+
+
+def parser() -> argparse.ArgumentParser:
+    """The flags, one argument group per task, each with its help and its default said once."""
+    p = _Parser(prog="python -m train.predict", usage=USAGE, description=__doc__.splitlines()[0],
+                epilog="Examples and details: docs/inference.md.", formatter_class=HelpFormatter)
+    p.add_argument("inputs", nargs="+", metavar="CHECKPOINT_OR_RUN PATH",
+                   help="a checkpoint file or a run directory (its checkpoint.pt), then image files and folders "
+                        "(searched recursively); with --onnx, image files and folders only")
+    model = p.add_argument_group("the model")
+    model.add_argument("--onnx", metavar="FILE", help="classify with ONNX Runtime and this file of python -m "
+                       "train.export instead of a checkpoint")
+    shown = p.add_argument_group("what is shown and written")
+    shown.add_argument("--top-k", type=int, default=5, metavar="N", help="classes shown per image (default: 5)")
+    shown.add_argument("--labels-from-folders", action="store_true",
+                       help="each image's label is its folder's name (an ImageNet-layout split): end with top-1 and "
+                            "top-5 over them, as --test-only prints")
+    shown.add_argument("--json", metavar="FILE", help="also write the predictions as a JSON list, one object per image")
+    shown.add_argument("--csv", metavar="FILE", help="also write the predictions as CSV, one row per image")
+    speed = p.add_argument_group("batches and threads")
+    speed.add_argument("--batch-size", type=int, default=64, metavar="N", help="images per forward pass (default: 64)")
+    speed.add_argument("--workers", type=int, default=0, metavar="N", help="decoding threads (default: 0, the cores, "
+                       "up to 8)")
+    return p
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m train.predict", usage=USAGE, description=__doc__.splitlines()[0])
-    parser.add_argument("inputs", nargs="+", metavar="CHECKPOINT_OR_RUN PATH",
-                        help="a checkpoint file or a run directory (its checkpoint.pt), then image files and folders "
-                             "(searched recursively); with --onnx, image files and folders only")
-    parser.add_argument("--top-k", type=int, default=5, help="classes shown per image (default 5)")
-    parser.add_argument("--batch-size", type=int, default=64, help="images per forward pass (default 64)")
-    parser.add_argument("--json", metavar="FILE", help="also write the predictions as a JSON list, one object per image")
-    parser.add_argument("--csv", metavar="FILE", help="also write the predictions as CSV, one row per image")
-    parser.add_argument("--labels-from-folders", action="store_true",
-                        help="each image's label is its folder's name (an ImageNet-layout split): "
-                             "end with top-1 and top-5 over them, as --test-only prints")
-    parser.add_argument("--onnx", metavar="FILE", help="classify with ONNX Runtime and this file of python -m train.export")
-    parser.add_argument("--workers", type=int, default=0, help="decoding threads (default: the cores, up to 8)")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     if args.top_k < 1 or args.batch_size < 1:
         raise UsageError("--top-k and --batch-size must be at least 1")
     if args.onnx:
@@ -52,6 +72,10 @@ class CheckpointModel:
     """The checkpoint's model on the GPU when there is one, under the run's precision."""
 
     def __init__(self, source: str):
+        import torch
+
+        from train.inference import load_trained
+        from train.precision import Precision
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         trained = load_trained(source, self.device)
         self.model, self.class_names, self.image_size = trained.model, trained.class_names, trained.image_size
@@ -63,9 +87,9 @@ class CheckpointModel:
                   "classifying in fp32", file=sys.stderr)
             self.precision = Precision("fp32", self.device)
 
-    @torch.no_grad()
-    def logits(self, batch: torch.Tensor) -> torch.Tensor:
-        with self.precision.autocast():
+    def logits(self, batch: "torch.Tensor") -> "torch.Tensor":
+        import torch
+        with torch.no_grad(), self.precision.autocast():
             return self.model(batch).float()
 
 
@@ -74,6 +98,9 @@ class OnnxModel:
     metadata."""
 
     def __init__(self, path: str):
+        import torch
+
+        from train.inference import image_size_of
         try:
             import onnxruntime
         except ImportError:
@@ -95,7 +122,8 @@ class OnnxModel:
         self.input = self.session.get_inputs()[0].name
         self.device, self.channels_last = torch.device("cpu"), False
 
-    def logits(self, batch: torch.Tensor) -> torch.Tensor:
+    def logits(self, batch: "torch.Tensor") -> "torch.Tensor":
+        import torch
         return torch.from_numpy(self.session.run(None, {self.input: batch.contiguous().numpy()})[0]).float()
 
 
@@ -108,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def predict(args: argparse.Namespace) -> int:
+    from train.inference import Images, find_images
     paths = find_images(args.paths)
     if not paths:
         raise UsageError(f"no images found in {', '.join(map(str, args.paths))} (files ending in .jpg, .jpeg, .png, "

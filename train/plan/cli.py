@@ -4,11 +4,11 @@ import json
 import sys
 
 import train.plan as package
-from train.cli import parse as parse_config
+from train.cli import HelpFormatter, parse as parse_config
 from train.config import Config
 from train.errors import UsageError
 from train.plan import comm, model, report
-from train.plan.hardware import CUSTOM, IN_NODE_LATENCY_S, NETWORKS, CustomNetwork, gpu as gpu_spec
+from train.plan.hardware import CUSTOM, GPUS, IN_NODE_LATENCY_S, NETWORKS, CustomNetwork, gpu as gpu_spec
 from train.plan.published import CHECKS, PUBLISHED_TOP1
 from train.rules import DEFAULT_PER_RANK_BATCH
 
@@ -20,40 +20,66 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}; see python -m train.plan --help")
 
 
+USAGE = ("python -m train.plan --gpus N[,M|A:B] --gpu NAME [--preset NAME] [OPTIONS]\n"
+         "       python -m train.plan --published")
+
+
 def parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="python -m train.plan", description=package.__doc__.splitlines()[0])
-    p.add_argument("--preset", help="a trainer preset (train/presets) or a .yaml path (default: none, the trainer's "
-                                    f"defaults: ResNet-50 at 224 px, {DEFAULT_PER_RANK_BATCH} images per GPU kept)")
-    p.add_argument("--gpus", help="GPU counts: N, a list N,M,..., or A:B (A, 2A, 4A, ... up to B)")
-    p.add_argument("--gpu", help="v100, a100, h100 or h200")
-    p.add_argument("--gpus-per-node", type=int, help="default: the GPU's usual server (8)")
-    p.add_argument("--network", help=f"between nodes: {', '.join(NETWORKS)}, or {CUSTOM} (--link-gbps and "
-                                     "--latency-us) (default: the GPU's usual server's)")
-    p.add_argument("--link-gbps", type=float, help=f"--network {CUSTOM}: Gbit/s one link delivers per direction (0.15: "
-                                                   "150 Mbit/s), taken as is: no efficiency factor")
-    p.add_argument("--latency-us", type=float, help=f"--network {CUSTOM}: one-way latency of a hop, microseconds")
-    p.add_argument("--links-per-node", type=int, help="network adapters per node (default: the usual server's)")
-    p.add_argument("--in-node", default="nvlink", help=f"link between a node's GPUs: {', '.join(IN_NODE_LATENCY_S)}")
-    p.add_argument("--allreduce", help=f"{', '.join(comm.ALGORITHMS)} (default: the preset's)")
-    p.add_argument("--torus-rows", type=int, help="--allreduce torus: ranks per line of the grid (default: the "
-                                                  "preset's, 0: the GPUs per node)")
-    p.add_argument("--per-gpu-batch", type=int,
-                   help="keep this per-GPU batch (the global batch grows; epochs from the MLPerf table)")
-    p.add_argument("--overlap", type=float, default=model.DEFAULT_OVERLAP,
-                   help="share of the all-reduce hidden behind backward (default %(default)s)")
-    p.add_argument("--wire", choices=tuple(model.WIRE_BYTES), default="fp16", help="gradient type on the wire")
-    p.add_argument("--loader", choices=("dali-gpu", "cpu"), default="dali-gpu", help="where images are decoded")
-    p.add_argument("--cpu-cores-per-gpu", type=int, default=8, help="--loader cpu: decoding cores per GPU")
-    p.add_argument("--startup-s", type=float, default=model.DEFAULT_STARTUP_S, help="run start to first step")
-    p.add_argument("--fixed-cost-scale", type=float, default=1.0,
-                   help="GPUs with one calibration point: scale their assumed fixed per-step cost (sensitivity)")
-    p.add_argument("--calibration", help="calibration YAML (default: the package's calibration.yaml)")
-    p.add_argument("--json", action="store_true", help="print a JSON list, one object per GPU count")
-    p.add_argument("--report", help="a .png, .svg or .pdf file (no suffix: .png): images/s, images/s per GPU and "
-                                    "time to train against GPU count, one line per all-reduce; missing folders "
-                                    "are made")
-    p.add_argument("--published", action="store_true",
-                   help="compare the planner with the published results it was not fitted to, and stop")
+    """The flags, one argument group per task, each with its help and its default said once."""
+    p = _Parser(prog="python -m train.plan", usage=USAGE, description=package.__doc__.splitlines()[0],
+                epilog="The model and where each of its figures comes from: docs/planner.md.",
+                formatter_class=HelpFormatter)
+    what = p.add_argument_group("what to plan")
+    what.add_argument("--preset", metavar="NAME", help="a trainer preset (train/presets) or a .yaml path (default: none, "
+                      f"the trainer's defaults: ResNet-50 at 224 px, {DEFAULT_PER_RANK_BATCH} images per GPU kept)")
+    what.add_argument("--gpus", metavar="COUNTS", help="GPU counts: N, a list N,M,..., or A:B (A, 2A, 4A, ... up to "
+                      "B); required unless --published")
+    what.add_argument("--per-gpu-batch", type=int, metavar="N", help="keep this per-GPU batch: the global batch grows "
+                      "with the GPUs, epochs from the MLPerf table (default: keep the preset's global batch)")
+    machine = p.add_argument_group("machine and network")
+    machine.add_argument("--gpu", metavar="NAME", help=f"the GPU: one of {', '.join(GPUS)}; required unless --published")
+    machine.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs in one node (default: the GPU's usual "
+                         "server's, 8)")
+    machine.add_argument("--network", metavar="NAME", help=f"the network between nodes: one of {', '.join(NETWORKS)}, "
+                         f"or {CUSTOM} (with --link-gbps and --latency-us) (default: the GPU's usual server's)")
+    machine.add_argument("--link-gbps", type=float, metavar="X", help=f"--network {CUSTOM}: Gbit/s one link delivers "
+                         "per direction (0.15: 150 Mbit/s), taken as is: no efficiency factor")
+    machine.add_argument("--latency-us", type=float, metavar="X", help=f"--network {CUSTOM}: one-way latency of a "
+                         "hop, microseconds")
+    machine.add_argument("--links-per-node", type=int, metavar="N", help="network adapters per node (default: the "
+                         "GPU's usual server's)")
+    machine.add_argument("--in-node", default="nvlink", metavar="NAME", help="the link between a node's GPUs: one of "
+                         f"{', '.join(IN_NODE_LATENCY_S)} (default: nvlink)")
+    allreduce = p.add_argument_group("all-reduce")
+    allreduce.add_argument("--allreduce", metavar="NAME", help=f"how gradients are averaged: one of "
+                           f"{', '.join(comm.ALGORITHMS)} (default: the preset's)")
+    allreduce.add_argument("--torus-rows", type=int, metavar="N", help="--allreduce torus: ranks per line of the grid "
+                           "(default: the preset's; 0: the GPUs per node)")
+    allreduce.add_argument("--overlap", type=float, default=model.DEFAULT_OVERLAP, metavar="X",
+                           help=f"share of the all-reduce hidden behind backward (default: {model.DEFAULT_OVERLAP:g})")
+    allreduce.add_argument("--wire", choices=tuple(model.WIRE_BYTES), default="fp16", metavar="NAME",
+                           help=f"the gradients' type on the wire: one of {', '.join(model.WIRE_BYTES)} (default: fp16)")
+    start = p.add_argument_group("input and start-up")
+    start.add_argument("--loader", choices=("dali-gpu", "cpu"), default="dali-gpu", metavar="NAME",
+                       help="where images are decoded: dali-gpu or cpu (default: dali-gpu)")
+    start.add_argument("--cpu-cores-per-gpu", type=int, default=8, metavar="N",
+                       help="--loader cpu: decoding cores per GPU (default: 8)")
+    start.add_argument("--startup-s", type=float, default=model.DEFAULT_STARTUP_S, metavar="X",
+                       help=f"seconds from the run's start to its first step (default: {model.DEFAULT_STARTUP_S:g})")
+    calibration = p.add_argument_group("calibration")
+    calibration.add_argument("--calibration", metavar="PATH", help="the calibration YAML the compute model is fitted "
+                             "to (default: the package's calibration.yaml)")
+    calibration.add_argument("--fixed-cost-scale", type=float, default=1.0, metavar="X",
+                             help="GPUs with one calibration point: scale their assumed fixed per-step cost, to see "
+                                  "how much it matters (default: 1)")
+    calibration.add_argument("--published", action="store_true", help="compare the planner with the published "
+                             "results it was not fitted to (a markdown table), and stop")
+    output = p.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print a JSON list, one object per GPU count, instead of "
+                        "the table")
+    output.add_argument("--report", metavar="PATH", help="also draw a .png, .svg or .pdf file (no suffix: .png): "
+                        "images/s, images/s per GPU and time to train against GPU count, one line per all-reduce; "
+                        "missing folders are made")
     return p
 
 

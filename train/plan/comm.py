@@ -18,7 +18,6 @@ trees and SHARP give logarithmic latency; the trainer does not have it.
 import math
 from dataclasses import dataclass
 
-from train.engines.topology import torus_grid, two_level_routes
 from train.plan.hardware import Link
 
 ALGORITHMS = ("flat", "hierarchical", "torus", "tree")
@@ -112,6 +111,7 @@ def two_level(cluster: Cluster, nbytes: float, allreduce: str, rows: int) -> flo
     all-reduce of the shard, all-gather); in each, every part of the message travels at once, and
     the step lasts as long as its slowest part. Rank 0's routes stand for everyone's (the grid is
     regular)."""
+    from train.engines.topology import torus_grid, two_level_routes  # (loads torch: --help prints without it)
     lines, columns = torus_grid(cluster.gpus, rows)
     routes = two_level_routes("torus" if allreduce == "torus" else "hierarchical", 0, cluster.gpus, rows)
     part = nbytes / len(routes)

@@ -5,30 +5,54 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
-import train.score as package  # its docstring's first line is the CLI's description
+import train.score as package  # its docstring's first paragraph is the CLI's description
+from train.cli import HelpFormatter
 from train.score.flops import HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES
 from train.score.mlperf import MLPERF_TARGET, mlperf_score
 from train.score.report import draw_report, mlperf_line, table
 from train.score.runs import Score, ScoreError, score_published, score_run
 
 
+USAGE = ("python -m train.score RUN_DIR [RUN_DIR ...] [OPTIONS]\n"
+         "       python -m train.score --time-s T --top1 A [OPTIONS]")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other refusal of the scorer
+        self.exit(2, f"error: {message}; see python -m train.score --help\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m train.score", description=package.__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="*", help="run directories")
-    parser.add_argument("--json", action="store_true", help="one JSON object (a list plus the aggregate for several runs)")
-    parser.add_argument("--target", type=float, default=HPC_AI500_TARGET, help="Valid FLOPS target top-1 (HPC AI500: 0.763)")
-    parser.add_argument("--power", type=float, default=HPC_AI500_POWER, help="Valid FLOPS exponent n (HPC AI500: 5)")
-    parser.add_argument("--mlperf-target", type=float, default=MLPERF_TARGET)
-    parser.add_argument("--no-check", action="store_true", help="skip the MLPerf compliance checker")
-    parser.add_argument("--report", help="PNG file (or folder) for throughput and accuracy plots")
-    published = parser.add_argument_group("a published result")
-    published.add_argument("--time-s", type=float)
-    published.add_argument("--top1", type=float)
-    published.add_argument("--epochs", type=float, default=90)
-    published.add_argument("--train-images", type=int, default=IMAGENET_TRAIN_IMAGES)
-    published.add_argument("--arch", default="resnet50")
-    published.add_argument("--image-size", type=int, default=224)
-    return parser
+    """The flags, one argument group per task, each with its help and its default said once."""
+    p = _Parser(prog="python -m train.score", usage=USAGE, description=package.__doc__.split("\n\n")[0],
+                epilog="How Valid FLOPS is computed: docs/valid_flops.md; the MLPerf rules: docs/mlperf.md.",
+                formatter_class=HelpFormatter)
+    p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (a run's --out-dir) to score")
+    measure = p.add_argument_group("Valid FLOPS and the MLPerf verdict")
+    measure.add_argument("--target", type=float, default=HPC_AI500_TARGET, metavar="X",
+                         help=f"Valid FLOPS's target top-1 (default: {HPC_AI500_TARGET}, HPC AI500's)")
+    measure.add_argument("--power", type=float, default=HPC_AI500_POWER, metavar="X",
+                         help=f"Valid FLOPS's exponent n (default: {HPC_AI500_POWER}, HPC AI500's)")
+    measure.add_argument("--mlperf-target", type=float, default=MLPERF_TARGET, metavar="X",
+                         help=f"the top-1 whose first reaching ends a run's time to target, drawn in the report "
+                              f"(default: {MLPERF_TARGET}, MLPerf's)")
+    measure.add_argument("--no-check", action="store_true", help="skip the MLPerf compliance checker (no verdict)")
+    published = p.add_argument_group("a published result (instead of run directories)")
+    published.add_argument("--time-s", type=float, metavar="X", help="its time to train, seconds (with --top1)")
+    published.add_argument("--top1", type=float, metavar="X", help="its top-1 accuracy, a fraction (with --time-s)")
+    published.add_argument("--epochs", type=float, default=90, metavar="X", help="epochs it trained (default: 90)")
+    published.add_argument("--train-images", type=int, default=IMAGENET_TRAIN_IMAGES, metavar="N",
+                           help=f"images in an epoch (default: {IMAGENET_TRAIN_IMAGES}, ImageNet's)")
+    published.add_argument("--arch", default="resnet50", metavar="NAME", help="its model, whose FLOPs are counted "
+                           "(default: resnet50)")
+    published.add_argument("--image-size", type=int, default=224, metavar="N", help="its input size in pixels "
+                           "(default: 224)")
+    output = p.add_argument_group("output")
+    output.add_argument("--json", action="store_true", help="print one JSON object instead of the table (for several "
+                        "runs: the list and the MLPerf aggregate)")
+    output.add_argument("--report", metavar="PATH", help="also draw the throughput and accuracy plots: a PNG file, or "
+                        "a folder for its report.png")
+    return p
 
 
 def scores_of(args: argparse.Namespace) -> list[Score]:

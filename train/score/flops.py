@@ -1,6 +1,7 @@
 """FLOPs and Valid FLOPS (HPC AI500 v2.0): the FLOPs of a run are counted, not assumed, from the
-run's arch, image size and class count (models.train_flops_per_image, eval_flops_per_image)."""
-from models import eval_flops_per_image, train_flops_per_image
+run's arch, image size and class count (models.train_flops_per_image, eval_flops_per_image).
+models is imported by the functions that count: it loads torch, and --help of train.score and
+train.plan prints without it."""
 
 HPC_AI500_TARGET, HPC_AI500_POWER = 0.763, 5
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -24,6 +25,7 @@ def num_classes(config: dict) -> int:
 def run_flop(config: dict, images: int, eval_images: int) -> float:
     """Total FLOPs of a run: images trained x forward + backward FLOPs per image, plus images
     evaluated x forward FLOPs per image, for the run's arch, image size and classes."""
+    from models import eval_flops_per_image, train_flops_per_image  # (loads torch)
     arch, size = config.get("arch", "resnet50"), int(config.get("image_size", 224))
     classes = num_classes(config)
     return images * train_flops_per_image(arch, size, classes) + eval_images * eval_flops_per_image(arch, size, classes)
@@ -31,4 +33,5 @@ def run_flop(config: dict, images: int, eval_images: int) -> float:
 
 def published_flop(images: int, arch: str, image_size: int) -> float:
     """Training FLOPs of a published result (ImageNet's 1,000 classes; its evaluations are not counted)."""
+    from models import train_flops_per_image  # (loads torch)
     return images * train_flops_per_image(arch, image_size)
