@@ -109,7 +109,7 @@ def test_miniature_ilsvrc_becomes_an_imagefolder_tree_with_manifest_and_shards(a
     # the sample index of both splits is written and trusted: a run lists neither split again
     import data.index
 
-    def no_walk(*args):
+    def no_walk(*args, **kwargs):
         raise AssertionError("walked the tree")
     monkeypatch.setattr(data.index, "list_samples", no_walk)
     assert [len(data.index.load_samples(out / split, WNIDS)) for split in ("train", "val")] == [14, 6]

@@ -42,6 +42,15 @@ def test_a_wait_without_a_total_counts_and_a_silent_one_prints_nothing():
     assert (clock_time(59.6), clock_time(3725)) == ("1:00", "1:02:05")
 
 
+def test_the_period_comes_from_trainer_progress_every_s_unless_given(monkeypatch):
+    monkeypatch.setenv("TRAINER_PROGRESS_EVERY_S", "0")
+    assert Progress("waiting").every_s == 0 and Progress("waiting", every_s=7).every_s == 7
+    monkeypatch.setenv("TRAINER_PROGRESS_EVERY_S", "soon")
+    assert Progress("waiting").every_s == 5
+    monkeypatch.delenv("TRAINER_PROGRESS_EVERY_S")
+    assert Progress("waiting").every_s == 5
+
+
 RUN = ["-m", "train", "--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", "32",
        "--synthetic-images", "128", "--synthetic-val-images", "64", "--synthetic-classes", "10",
        "--global-batch-size", "16", "--epochs", "2", "--log-every", "2", "--eval-every", "1", "--batch-size", "16"]
