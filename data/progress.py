@@ -32,6 +32,10 @@ class Progress:
         self.stream, self.clock = stream, clock
         self.started = self.last = clock()
 
+    def restart(self) -> None:
+        """The wait begins now (after a set-up that is not part of it: an import, say)."""
+        self.started = self.last = self.clock()
+
     def tick(self, done: int) -> None:
         if not self.enabled:
             return

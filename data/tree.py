@@ -76,6 +76,8 @@ def list_samples(split_dir: Path, classes: list[str], progress=None) -> list[tup
         if progress is not None:
             progress.tick(found)
         return True
+    if progress is not None:
+        progress.restart()  # the rate is the walk's, without the import above
     class_to_idx = {c: i for i, c in enumerate(classes)}
     return torchvision.datasets.folder.make_dataset(str(split_dir), class_to_idx, is_valid_file=is_sample,
                                                     allow_empty=True)

@@ -39,6 +39,12 @@ def test_a_wait_without_a_total_counts_and_a_silent_one_prints_nothing():
     counting.tick(12345)
     silent.tick(12345)
     assert out.getvalue() == "indexing train: 12,345 files (2,058/s)\n"
+    counting.restart()  # the wait begins again: its rate and its next line count from now
+    clock.now += 4
+    counting.tick(400)
+    clock.now += 1
+    counting.tick(500)
+    assert out.getvalue().splitlines()[1:] == ["indexing train: 500 files (100/s)"]
     assert (clock_time(59.6), clock_time(3725)) == ("1:00", "1:02:05")
 
 
