@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from data.cache import cache_root
+from data.progress import Progress
 from data.tree import list_samples
 
 VERSION = 1
@@ -73,14 +74,17 @@ class SampleIndex:
 
 def load_samples(split_dir: Path, classes: list[str], shared_writer: bool = True, relist: bool = False) -> SampleIndex:
     """The split's samples from its index when the index matches the tree, else listed (and the
-    index written for the next run: beside the split only by the `shared_writer`, rank 0). `relist`:
-    list the tree whatever index there is."""
+    index written for the next run: beside the split only by the `shared_writer`, rank 0, which also
+    prints how many files the listing has found, every few seconds). `relist`: list the tree whatever
+    index there is."""
     split_dir = Path(split_dir)
     for path in [] if relist else _index_paths(split_dir):
         index = _read(path, split_dir, classes)
         if index is not None:
             return index
-    samples = list_samples(split_dir, classes)
+    # only the shared writer (rank 0) says how far the walk is: one line per wait, not one per rank
+    progress = Progress(f"indexing {split_dir}", unit="files found", enabled=shared_writer)
+    samples = list_samples(split_dir, classes, progress=progress)
     index = SampleIndex.of(split_dir, samples)
     _write(index, split_dir, classes, _walked_dirs(split_dir, samples), shared_writer)
     return index

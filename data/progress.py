@@ -1,25 +1,40 @@
 """Progress of a long wait (indexing a folder, an evaluation, writing shards, preparing ImageNet): a
 plain line at most once every few seconds, to a terminal or a file alike, saying what is being done,
 how far it is and, where the total is known, when it should end. Plain Python (no torch): data/,
-train/ and scripts/ all use it."""
+train/ and scripts/ all use it.
+
+Environment: TRAINER_PROGRESS_EVERY_S, the least time between two lines of one wait (default 5; 0:
+a line at every tick, as the tests set it)."""
 import os
 import sys
 import time
 
-EVERY_S = 5.0  # the least time between two lines of one wait (TRAINER_PROGRESS_EVERY_S overrides it)
+EVERY_S = 5.0  # the least time between two lines of one wait, unless TRAINER_PROGRESS_EVERY_S says otherwise
+
+
+def default_every_s() -> float:
+    """TRAINER_PROGRESS_EVERY_S when it holds a number of seconds, else EVERY_S."""
+    try:
+        return max(0.0, float(os.environ["TRAINER_PROGRESS_EVERY_S"]))
+    except (KeyError, ValueError):
+        return EVERY_S
 
 
 class Progress:
     """`tick(done)` prints `<what>: <done>[/<total>] <unit> (<rate>/s, ETA m:ss)` when EVERY_S have
     passed since the last line (the first line comes EVERY_S after the start: a short wait prints
-    nothing). `enabled` False: silent (ranks other than 0)."""
+    nothing). `enabled` False: silent (ranks other than 0). `every_s` None: default_every_s()."""
 
     def __init__(self, what: str, total: int | None = None, unit: str = "", enabled: bool = True,
                  every_s: float | None = None, stream=None, clock=time.monotonic):
-        self.what, self.total, self.unit, self.enabled = what, total, unit, enabled
-        self.every_s = float(os.environ.get("TRAINER_PROGRESS_EVERY_S", EVERY_S)) if every_s is None else every_s
+        every_s = default_every_s() if every_s is None else every_s
+        self.what, self.total, self.unit, self.enabled, self.every_s = what, total, unit, enabled, every_s
         self.stream, self.clock = stream, clock
         self.started = self.last = clock()
+
+    def restart(self) -> None:
+        """The wait begins now (after a set-up that is not part of it: an import, say)."""
+        self.started = self.last = self.clock()
 
     def tick(self, done: int) -> None:
         if not self.enabled:

@@ -21,6 +21,7 @@ import shutil
 import tarfile
 from pathlib import Path
 
+from data.progress import Progress
 from data.tree import DataError, check_tree, list_samples, write_classes
 
 INDEX_VERSION = "v1.2"
@@ -64,7 +65,9 @@ def _is_mount_point(folder: Path) -> bool:
 
 def _write_split(samples: list[tuple[str, int]], classes: list[str], split_dir: Path, shard_size: int,
                  unreadable: list[str]) -> list[int]:
-    """The split's shards; returns its samples per class."""
+    """The split's shards, saying every few seconds how many files are written of how many; returns
+    its samples per class."""
+    progress = Progress(f"writing {split_dir.name} shards", total=len(samples), unit="files")
     split_dir.mkdir()
     counts = [0] * len(classes)
     for _, label in samples:
@@ -85,6 +88,7 @@ def _write_split(samples: list[tuple[str, int]], classes: list[str], split_dir: 
                 cls = _member(tar, f"{key}.cls", str(label).encode())
                 lines.append(f"jpg {jpg[0]} {jpg[1]} {key}.jpg cls {cls[0]} {cls[1]} {key}.cls")
                 names.append(json.dumps(os.path.abspath(path)))
+                progress.tick(number + 1)
         Path(f"{stem}.idx").write_text(f"{INDEX_VERSION} {len(lines)}\n" + "\n".join(lines) + "\n")
         Path(f"{stem}.names").write_text("\n".join(names) + "\n", encoding="utf-8")
     return counts
@@ -93,7 +97,8 @@ def _write_split(samples: list[tuple[str, int]], classes: list[str], split_dir: 
 def write_shards(tree: Path, out: Path, shard_size: int = 1000) -> dict:
     """Shards of both splits of an ImageFolder tree: {"train": count, "val": count, "unreadable": [paths
     stored empty], "empty": [classes without training images]}. The set is written into a sibling folder and renamed into place at the end, so `out`
-    holds its old set or the whole new one, never a mix; a folder holding anything else is refused."""
+    holds its old set or the whole new one, never a mix; a folder holding anything else is refused.
+    Every few seconds a line on stdout says how far the listing and the writing are (data/progress.py)."""
     tree, out = Path(tree), Path(os.path.abspath(out))
     classes = check_tree(str(tree))
     if any("\n" in name for name in classes):
@@ -113,7 +118,7 @@ def write_shards(tree: Path, out: Path, shard_size: int = 1000) -> dict:
     counts = {"unreadable": []}
     try:
         for split in ("train", "val"):
-            samples = list_samples(tree / split, classes)
+            samples = list_samples(tree / split, classes, progress=Progress(f"listing {tree / split}", unit="files found"))
             per_class = _write_split(samples, classes, new / split, shard_size, counts["unreadable"])
             counts[split] = len(samples)
             if split == "train":

@@ -57,14 +57,27 @@ def check_tree(data_dir: str) -> list[str]:
     return train_classes
 
 
-def list_samples(split_dir: Path, classes: list[str]) -> list[tuple[str, int]]:
+def list_samples(split_dir: Path, classes: list[str], progress=None) -> list[tuple[str, int]]:
     """(path, label) of every sample of one split of an ImageFolder tree, in the order the trainer
     indexes them; the shard writer (data/shards.py) lists a tree with this too, so shards hold the
     same samples. torchvision's ImageFolder rule: class by class, each class folder walked with its
     subfolders (symlinks followed), names sorted, every file with an image extension. A file that
-    turns out unreadable (a broken link, zero bytes) stays a sample: the loaders skip and count it."""
+    turns out unreadable (a broken link, zero bytes) stays a sample: the loaders skip and count it.
+    `progress` (data/progress.py Progress): ticked with the samples found so far."""
     import torchvision  # here, not above: DALI's reader processes import this module without torch
 
+    found = 0
+
+    def is_sample(path: str) -> bool:  # torchvision's own extension test, counted
+        nonlocal found
+        if not path.lower().endswith(IMAGE_EXTENSIONS):
+            return False
+        found += 1
+        if progress is not None:
+            progress.tick(found)
+        return True
+    if progress is not None:
+        progress.restart()  # the rate is the walk's, without the import above
     class_to_idx = {c: i for i, c in enumerate(classes)}
-    return torchvision.datasets.folder.make_dataset(str(split_dir), class_to_idx, extensions=IMAGE_EXTENSIONS,
+    return torchvision.datasets.folder.make_dataset(str(split_dir), class_to_idx, is_valid_file=is_sample,
                                                     allow_empty=True)

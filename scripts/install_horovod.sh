@@ -7,9 +7,12 @@
 #
 # Defaults: gloo always; MPI when mpicxx is on PATH; NCCL GPU operations when a GPU is visible or
 # HOROVOD_GPU_OPERATIONS=NCCL is set (the Dockerfile sets it: image builds see no GPU).
-# Environment: PYTHON (default .venv/bin/python), HOROVOD_* build variables are respected.
+# Environment: PYTHON (default .venv/bin/python), HOROVOD_* build variables are respected;
+# TRAINER_TICKER_EVERY_S: seconds between the build's "... so far" lines (default 20; scripts/ticker.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# shellcheck source-path=SCRIPTDIR source=ticker.sh
+source scripts/ticker.sh
 PY=${PYTHON:-.venv/bin/python}
 VERSION=0.28.1
 
@@ -50,7 +53,7 @@ cache="${TRAINER_CACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/resnet-trainer}/whee
 if ! ls "$cache"/horovod-*.whl >/dev/null 2>&1; then
     work=$(mktemp -d)
     trap 'rm -rf "$work"' EXIT
-    echo "install_horovod: building Horovod $VERSION ($key; a few minutes)" >&2
+    echo "install_horovod: building Horovod $VERSION ($key; first set-up only, usually 5-8 min)" >&2
     "$PY" -m pip download -q --no-deps --no-binary :all: "horovod==$VERSION" -d "$work"
     tar -xzf "$work/horovod-$VERSION.tar.gz" -C "$work"
     src="$work/horovod-$VERSION"
@@ -68,7 +71,9 @@ open(path, "w").write(head + sep + tail.replace("device_attr.iface = gloo_iface_
                                                 "device_attr.iface = global_context.gloo_iface_;\n  gloo_iface_ = global_context.gloo_iface_;", 1))
 PATCH
     "$PY" -m pip install -q cmake 2>/dev/null || true  # a recent CMake if the system one is old
-    "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$work/wheel"
+    # pip says nothing for minutes while it compiles: a line every 20 s says it is still going
+    with_ticker "install_horovod: building Horovod $VERSION from source (first set-up only; usually 5-8 min)" \
+        "$PY" -m pip wheel -q --no-build-isolation --no-deps "$src" -w "$work/wheel"
     mkdir -p "$cache"
     cp "$work"/wheel/horovod-*.whl "$cache/"
 fi

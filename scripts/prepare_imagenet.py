@@ -12,7 +12,9 @@ error unless --allow-partial. With --allow-partial, validation images of classes
 training archive are left out (the loaders need the same classes in train/ and val/); the summary
 line after "prepared ..." says how many, of how many classes. An interrupted run resumes: finished
 classes are kept, a class is only made visible (renamed into place) once all its images are written.
-A file that is not a tar archive is named in a one-line error (exit 2).
+A file that is not a tar archive is named in a one-line error (exit 2). Every few seconds a line
+says how far the long steps are (reading the training archive, extracting, placing the validation
+images, indexing, writing shards), with an ETA where the total is known.
 """
 import argparse
 import hashlib
@@ -30,6 +32,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from data.index import RACY_NS, load_samples  # noqa: E402
+from data.progress import Progress  # noqa: E402
 from data.shards import write_shards  # noqa: E402
 from data.tree import check_tree  # noqa: E402
 
@@ -105,9 +108,11 @@ def prepare(args) -> None:
     with open_tar(args.train_tar) as train_tar, open_tar(args.val_tar) as val_tar:
         class_tars = sorted((m for m in train_tar.getmembers() if m.name.endswith(".tar")), key=lambda m: m.name)
         images_per_class = {}
-        for member in class_tars:  # headers only: tarfile seeks past the image bytes
+        reading = Progress(f"counting the images of {args.train_tar}", total=len(class_tars), unit="class archives")
+        for number, member in enumerate(class_tars, start=1):  # headers only: tarfile seeks past the image bytes
             with open_tar(f"{member.name} in {args.train_tar}", train_tar.extractfile(member)) as inner:
                 images_per_class[Path(member.name).stem] = sum(1 for m in inner.getmembers() if m.isfile())
+            reading.tick(number)
         val_members = sorted((m for m in val_tar.getmembers() if m.isfile()), key=lambda m: m.name)
         counts = {"train": sum(images_per_class.values()), "val": len(val_members), "classes": len(class_tars)}
         differences = [f"{k} {counts[k]:,} (official {OFFICIAL[k]:,})" for k in OFFICIAL if counts[k] != OFFICIAL[k]]
@@ -129,11 +134,13 @@ def prepare(args) -> None:
         (out / "train").mkdir(parents=True, exist_ok=True)
         manifests = out / ".manifests"
         manifests.mkdir(exist_ok=True)
-        done = 0
+        finished = {wnid for wnid in images_per_class  # by an earlier run
+                    if (out / "train" / wnid).is_dir() and (manifests / f"train-{wnid}.tsv").is_file()}
+        to_write = sum(images_per_class.values()) - sum(images_per_class[wnid] for wnid in finished)
+        extracting, written = Progress("extracting training images", total=to_write, unit="files"), 0
         for member in class_tars:
             wnid = Path(member.name).stem
-            if (out / "train" / wnid).is_dir() and (manifests / f"train-{wnid}.tsv").is_file():
-                done += 1
+            if wnid in finished:
                 continue
             partial = out / "train" / f"{wnid}.partial"
             shutil.rmtree(partial, ignore_errors=True)
@@ -142,21 +149,24 @@ def prepare(args) -> None:
             with tarfile.open(fileobj=train_tar.extractfile(member)) as inner:
                 for image in sorted((m for m in inner.getmembers() if m.isfile()), key=lambda m: m.name):
                     write_image(partial, Path(image.name).name, inner.extractfile(image).read(), lines, "train", out)
+                    written += 1
+                    extracting.tick(written)
             (manifests / f"train-{wnid}.tsv.partial").write_text("".join(f"{line}\n" for line in lines))
             os.replace(partial, out / "train" / wnid)  # the class becomes visible whole
             os.replace(manifests / f"train-{wnid}.tsv.partial", manifests / f"train-{wnid}.tsv")
-        if done:
-            print(f"resumed: {done} finished class(es) kept")
+        if finished:
+            print(f"resumed: {len(finished)} finished class(es) kept")
 
         if not (manifests / "val.tsv").is_file():
             partial = out / "val.partial"
             shutil.rmtree(partial, ignore_errors=True)
             for wnid in sorted(images_per_class):
                 (partial / f"{wnid}.partial").mkdir(parents=True)
-            lines = []
+            lines, placing = [], Progress("placing validation images", total=len(placed), unit="files")
             for member, wnid in placed:
                 write_image(partial / f"{wnid}.partial", Path(member.name).name, val_tar.extractfile(member).read(),
                             lines, "val", out)
+                placing.tick(len(lines))
             for folder in partial.iterdir():
                 folder.rename(partial / folder.name.removesuffix(".partial"))
             shutil.rmtree(out / "val", ignore_errors=True)

@@ -36,9 +36,9 @@ def walks(monkeypatch) -> list:
     """Record every walk of a tree (list_samples) from now on."""
     calls = []
 
-    def counted(split_dir, classes):
+    def counted(split_dir, classes, **how):
         calls.append(split_dir)
-        return list_samples(split_dir, classes)
+        return list_samples(split_dir, classes, **how)
     monkeypatch.setattr(data.index, "list_samples", counted)
     return calls
 
@@ -109,6 +109,23 @@ def test_an_index_holding_pickled_objects_is_never_unpickled(tree, monkeypatch):
     calls = walks(monkeypatch)
     samples = load_samples(root / "train", classes)
     assert len(calls) == 1 and samples.labels.dtype == np.int32  # refused, listed again
+
+
+def test_the_listing_says_how_many_files_it_has_found_on_the_shared_writer_only(tmp_path, monkeypatch, capsys):
+    """A few hundred files, a line at every tick (TRAINER_PROGRESS_EVERY_S=0): the shared writer
+    (rank 0) prints the count so far, the other ranks print nothing."""
+    classes = ["a", "b", "c"]
+    for name in classes:
+        (tmp_path / "train" / name).mkdir(parents=True)
+        for number in range(100):
+            (tmp_path / "train" / name / f"{number:03d}.jpg").touch()
+    (tmp_path / "train" / "a" / "notes.txt").touch()  # not a sample: not counted
+    monkeypatch.setenv("TRAINER_PROGRESS_EVERY_S", "0")
+    assert len(load_samples(tmp_path / "train", classes, shared_writer=False)) == 300
+    assert capsys.readouterr().out == ""
+    assert len(load_samples(tmp_path / "train", classes, relist=True)) == 300
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 300 and lines[-1].startswith(f"indexing {tmp_path / 'train'}: 300 files found ("), lines[-3:]
 
 
 @pytest.mark.multiprocess

@@ -1,6 +1,7 @@
 """scripts/make_shards.py on messy trees: the shards hold the samples the trainer lists for the tree,
 unreadable files behave the same in both, class names survive, and a rewrite replaces the whole set."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -243,3 +244,16 @@ def test_a_class_without_training_images_is_said_by_make_shards_and_found_in_the
         assert loader.empty_classes == ["b"], root
     full = make_shards(clean_tree(tmp_path / "full"), tmp_path / "full_shards", 5)
     assert full.returncode == 0 and "warning" not in full.stdout, full.stdout
+
+
+def test_make_shards_says_how_many_files_are_written_of_how_many_with_an_eta(tmp_path):
+    """A line at every file here (TRAINER_PROGRESS_EVERY_S=0); by default one every 5 s at most."""
+    tree = clean_tree(tmp_path / "tree", train_per_class=5)  # 10 training and 2 validation images
+    result = make_shards(tree, tmp_path / "shards", 4, env={**os.environ, "TRAINER_PROGRESS_EVERY_S": "0"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    for split, total in (("train", 10), ("val", 2)):
+        written = [int(m[1]) for line in lines if (m := re.fullmatch(
+            rf"writing {split} shards: (\d+)/{total} files \([\d.,]+/s, ETA \d+:\d\d\)", line))]
+        assert written == list(range(1, total + 1)), lines
+        assert any(line.startswith(f"listing {tree / split}: {total} files found (") for line in lines), lines

@@ -1,6 +1,8 @@
 """scripts/prepare_imagenet.py on a miniature ILSVRC2012: three classes, official archive layout."""
 import hashlib
 import io
+import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -70,11 +72,11 @@ def archives(tmp_path):
     return write_archives(tmp_path, WNIDS, truth=[2, 1, 3, 3, 1, 2])
 
 
-def prepare(archives, out, *extra):
+def prepare(archives, out, *extra, env=None):
     return subprocess.run([sys.executable, str(SCRIPT), "--train-tar", str(archives / "ILSVRC2012_img_train.tar"),
                            "--val-tar", str(archives / "ILSVRC2012_img_val.tar"),
                            "--devkit", str(archives / "ILSVRC2012_devkit_t12.tar.gz"), "--out", str(out), *extra],
-                          capture_output=True, text=True, timeout=300)
+                          capture_output=True, text=True, timeout=300, env=env)
 
 
 def test_counts_that_differ_from_ilsvrc2012_are_an_error(archives):
@@ -109,10 +111,28 @@ def test_miniature_ilsvrc_becomes_an_imagefolder_tree_with_manifest_and_shards(a
     # the sample index of both splits is written and trusted: a run lists neither split again
     import data.index
 
-    def no_walk(*args):
+    def no_walk(*args, **kwargs):
         raise AssertionError("walked the tree")
     monkeypatch.setattr(data.index, "list_samples", no_walk)
     assert [len(data.index.load_samples(out / split, WNIDS)) for split in ("train", "val")] == [14, 6]
+
+
+def test_each_long_step_says_how_many_files_are_done_of_how_many_with_an_eta(archives):
+    """A line at every file here (TRAINER_PROGRESS_EVERY_S=0): 14 training images extracted, 6
+    validation images placed, both splits indexed, and shards written."""
+    result = prepare(archives, archives / "out", "--allow-partial", "--shards", "--shard-size", "8",
+                     env={**os.environ, "TRAINER_PROGRESS_EVERY_S": "0"})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+
+    def counted(what, total, unit="files"):
+        pattern = rf"{re.escape(what)}: (\d+)/{total} {unit} \([\d.,]+/s, ETA \d+:\d\d\)"
+        return [int(m[1]) for line in lines if (m := re.fullmatch(pattern, line))]
+    assert counted(f"counting the images of {archives / 'ILSVRC2012_img_train.tar'}", 3, "class archives") == [1, 2, 3], lines
+    assert counted("extracting training images", 14) == list(range(1, 15)), lines
+    assert counted("placing validation images", 6) == list(range(1, 7)), lines
+    assert counted("writing train shards", 14) == list(range(1, 15)) and counted("writing val shards", 6), lines
+    assert any(line.startswith(f"indexing {archives / 'out' / 'train'}: 14 files found (") for line in lines), lines
 
 
 @pytest.mark.slow

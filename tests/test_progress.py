@@ -39,7 +39,22 @@ def test_a_wait_without_a_total_counts_and_a_silent_one_prints_nothing():
     counting.tick(12345)
     silent.tick(12345)
     assert out.getvalue() == "indexing train: 12,345 files (2,058/s)\n"
+    counting.restart()  # the wait begins again: its rate and its next line count from now
+    clock.now += 4
+    counting.tick(400)
+    clock.now += 1
+    counting.tick(500)
+    assert out.getvalue().splitlines()[1:] == ["indexing train: 500 files (100/s)"]
     assert (clock_time(59.6), clock_time(3725)) == ("1:00", "1:02:05")
+
+
+def test_the_period_comes_from_trainer_progress_every_s_unless_given(monkeypatch):
+    monkeypatch.setenv("TRAINER_PROGRESS_EVERY_S", "0")
+    assert Progress("waiting").every_s == 0 and Progress("waiting", every_s=7).every_s == 7
+    monkeypatch.setenv("TRAINER_PROGRESS_EVERY_S", "soon")
+    assert Progress("waiting").every_s == 5
+    monkeypatch.delenv("TRAINER_PROGRESS_EVERY_S")
+    assert Progress("waiting").every_s == 5
 
 
 RUN = ["-m", "train", "--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", "32",
