@@ -6,7 +6,7 @@ in another test file), names something imported from that module, or runs it as 
 train`, `-m train.score`, scripts/make_shards.py, a tests/helpers script); and with it every module
 that one imports when it is loaded, directly or through the modules it imports (their code is what it
 calls). A module imported only inside a function (a path taken on some runs only, such as elastic
-training) counts only where a test reaches it by itself."""
+training) counts only where a test reaches it by itself, except in a package's __main__.py."""
 import ast
 from functools import cache
 from pathlib import Path
@@ -106,11 +106,15 @@ def loaded_with(module: str) -> frozenset[str]:
 
 
 def program(text: str) -> set[str]:
-    """Our modules a string names as a program: a module run with -m (a package: its __main__), or a
-    script by its file name (what the script imports)."""
+    """Our modules a string names as a program: a module run with -m (a package: its __main__, with
+    what its functions import: a command imports the modules that do its work once its flags are
+    read, so that --help answers without them), or a script by its file name (what the script imports)."""
     if ours(text) and module_file(text):
         main = f"{text}.__main__"
-        return {text, main} if module_file(main) else {text}
+        if not module_file(main):
+            return {text}
+        imported = {n.module for n in ast.walk(parsed(module_file(main))) if isinstance(n, ast.ImportFrom) and n.module}
+        return {text, main} | {m for m in imported if ours(m) and module_file(m)}
     if text.endswith(".py"):
         for folder in (REPO / "scripts", TESTS / "helpers"):
             if (folder / Path(text).name).is_file():
