@@ -14,7 +14,7 @@ import types
 import pytest
 import torch
 
-from helpers import REPO, child_env, run_train
+from helpers import REPO, child_env, run_train, stand_in_for_horovod
 from train.config import Config
 from train.engines.network import collective_timeout, set_library_timeouts, use_interface
 from train.engines.watchdog import unreachable
@@ -69,9 +69,7 @@ def test_horovod_has_its_bounds_before_init(monkeypatch):
     hvd = types.SimpleNamespace(nccl_built=lambda: 0, rank=lambda: 0, size=lambda: 1, local_rank=lambda: 0,
                                 allgather_object=lambda obj: [obj],
                                 init=lambda: seen.update({k: os.environ.get(k) for k in HUNG_COLLECTIVE_BOUNDS}))
-    monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
-    if "horovod" in sys.modules:  # `import horovod.torch` takes the package's attribute once the real one is loaded
-        monkeypatch.setattr(sys.modules["horovod"], "torch", hvd)
+    stand_in_for_horovod(monkeypatch, hvd)
     environ = {k: v for k, v in os.environ.items() if k not in HUNG_COLLECTIVE_BOUNDS}
     monkeypatch.setattr(os, "environ", {**environ, "OMP_NUM_THREADS": "1", "TRAINER_COLLECTIVE_TIMEOUT_S": "40"})
     monkeypatch.setattr(horovod_engine, "local_device", lambda local_rank: torch.device("cpu"))

@@ -5,14 +5,13 @@ its gradients are ready, and nothing during backward that depends on timing. And
 its own hierarchical all-reduce (NCCL + MPI on GPUs across nodes)."""
 import json
 import os
-import sys
 import time
 import types
 
 import pytest
 import torch
 
-from helpers import REPO, launch
+from helpers import REPO, launch, stand_in_for_horovod
 from train.engines import horovod as horovod_engine
 from train.config import Config
 
@@ -82,7 +81,7 @@ def test_horovod_is_asked_for_its_hierarchical_all_reduce_before_init(allreduce,
     hvd = types.SimpleNamespace(nccl_built=lambda: nccl, rank=lambda: 0, size=lambda: 1, local_rank=lambda: 0,
                                 allgather_object=lambda obj: [obj],
                                 init=lambda: seen.setdefault("at_init", os.environ.get(variable)))
-    monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
+    stand_in_for_horovod(monkeypatch, hvd)
     # a copy without the variable; OMP_NUM_THREADS set, so that the engine leaves this process's threads alone
     environ = {k: v for k, v in os.environ.items() if k != variable}
     monkeypatch.setattr(os, "environ", {**environ, "OMP_NUM_THREADS": "1"})

@@ -245,3 +245,13 @@ def tiny_trained_run(root: Path) -> Path:
     done = run_train("--out-dir", root / "run", *TINY_TRAINED_RUN, cwd=root)
     assert done.returncode == 0, done.stderr
     return root
+
+
+def stand_in_for_horovod(monkeypatch, hvd) -> None:
+    """`import horovod.torch as hvd` gives `hvd` for the test: in sys.modules, and as the attribute of
+    the real horovod package when another test of this worker has loaded it (then the import takes
+    the attribute, not sys.modules)."""
+    import sys
+    monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
+    if "horovod" in sys.modules:
+        monkeypatch.setattr(sys.modules["horovod"], "torch", hvd)

@@ -23,7 +23,9 @@ import threading
 import traceback
 
 import train.__main__  # what every start of the trainer imports, imported once here (the module itself
-import train.score  # noqa: F401  is run afresh in each child, as the script), and the scorer's
+import train.evaluate  # noqa: F401  is run afresh in each child, as the script); train/__main__.py
+import train.loop  # noqa: F401  imports a run's modules once its flags are read: here, they are
+import train.score  # noqa: F401  imported before; and the scorer's
 del sys.modules["train.__main__"]
 
 
