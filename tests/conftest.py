@@ -1,6 +1,9 @@
-"""The suite's fixture: a private cache for generated data (tests/helpers holds the shared helpers); the
-quick tier's marker expression; the suite's report of its own time."""
+"""The suite's fixtures: a private cache for generated data, and the machine to itself for a test marked
+`alone` (tests/helpers holds the shared helpers); the quick tier's marker expression; the suite's report
+of its own time."""
+import fcntl
 import os
+import tempfile
 import time
 
 import pytest
@@ -36,6 +39,25 @@ def pytest_collection_modifyitems(config, items):
         seconds = slow.kwargs.get("seconds", 5) if slow else 20 if multiprocess else 0.5
         work[item.path] = work.get(item.path, 0) + seconds
     items.sort(key=lambda item: -work[item.path])
+
+
+@pytest.fixture(autouse=True)
+def machine_share(request):
+    """Under parallel workers, a test marked `alone` runs with the machine to itself: it closes a gate
+    that keeps the other worker's next test from starting, waits for that worker's running test to end,
+    and opens the gate when it is done. Every other test holds a shared lock while it runs."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:
+        yield
+        return
+    alone = request.node.get_closest_marker("alone") is not None
+    base = os.path.join(tempfile.gettempdir(), f"trainer-tests-{run}")
+    with open(base + ".gate", "a") as gate, open(base + ".lock", "a") as lock:
+        fcntl.flock(gate, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(gate, fcntl.LOCK_UN)
+        yield  # (closing the files lets both locks go)
 
 
 @pytest.fixture(scope="session", autouse=True)

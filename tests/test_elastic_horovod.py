@@ -89,6 +89,7 @@ def each_position_once(count: int) -> dict:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone
 @pytest.mark.parametrize("killed", [1, 0])
 def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_with_two(killed, tmp_path):
     """Rank 1, or rank 0: then another worker becomes rank 0 and goes on with the logs and the
@@ -120,6 +121,7 @@ def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_w
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone
 def test_a_worker_that_joins_later_gets_the_state(tmp_path):
     aliases = host_aliases()
     if len(aliases) < 3:
@@ -140,6 +142,7 @@ def test_a_worker_that_joins_later_gets_the_state(tmp_path):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.alone
 def test_fewer_workers_than_min_np_end_the_job_instead_of_hanging(tmp_path):
     hosts = host_aliases()[:3]
     job = elastic_job(tmp_path, hosts, "--checkpoint-every-steps", 2, min_np=3, elastic_timeout=10)
