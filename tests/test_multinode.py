@@ -172,6 +172,9 @@ def only_on_node1(cluster):
 
 
 REFUSED = "error: TRAINER_IFACE=extra0: node2 has no network interface extra0; it has lo, mgmt0, data0"
+# * node2's two ranks refuse at once, each in one line; but the launcher ends a node's other ranks when
+# the first exits, and on a busy machine the second may be ended before it has looked (seen under sbatch
+# and torchrun): one line or two, never more
 
 
 def test_an_interface_a_node_lacks_is_refused_under_horovodrun(cluster, only_on_node1):
@@ -179,7 +182,7 @@ def test_an_interface_a_node_lacks_is_refused_under_horovodrun(cluster, only_on_
                       timeout=180)
     assert done.returncode != 0
     output = done.stdout + done.stderr
-    assert output.count(REFUSED) == 2, output[-3000:]  # each of node2's ranks, one line
+    assert output.count(REFUSED) in (1, 2), output[-3000:]  # one line from each of node2's ranks that got to check *
     assert not (cluster.shared / "no-iface-hvd").exists()
 
 
@@ -192,7 +195,7 @@ def test_an_interface_a_node_lacks_is_refused_under_torchrun(cluster, only_on_no
     took = time.monotonic() - started
     assert codes[1] != 0 and codes[0] != 0, logs
     assert took < 90, took
-    assert logs[1].count(REFUSED) == 2, logs[1][-3000:]
+    assert logs[1].count(REFUSED) in (1, 2), logs[1][-3000:]  # *
     told = "not starting, another rank refused: TRAINER_IFACE=extra0: node2 has no network interface extra0"
     assert told in logs[0], logs[0][-3000:]  # (node1's agent stops its other rank when the first ends)
     assert not (cluster.shared / "no-iface-torch").exists()
@@ -254,5 +257,5 @@ def test_an_interface_a_node_lacks_is_refused_under_mpirun_and_sbatch(cluster, o
     folder = cluster.shared / "no-iface-sbatch"
     done, log = sbatch(cluster, folder, *TINY, env={"TRAINER_IFACE": only_on_node1}, timeout=180)
     assert done.returncode != 0
-    assert log.count(REFUSED) == 2, log[-3000:]  # srun --kill-on-bad-exit ends node1's ranks
+    assert log.count(REFUSED) in (1, 2), log[-3000:]  # * (srun --kill-on-bad-exit ends node1's ranks)
     assert not (folder / "run").exists()
