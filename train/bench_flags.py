@@ -3,15 +3,9 @@ one's flags in argument groups by task. Light: --help prints without loading tor
 import argparse
 
 from train import names
-from train.cli import HelpFormatter
-from train.errors import UsageError
+from train.cli import CommandParser
 
 BACKENDS = ("eager", "compile", "onnxruntime")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, like the trainer
-        raise UsageError(f"{message}; see {self.prog} --help")
 
 
 def _positive(text: str) -> int:
@@ -76,9 +70,9 @@ MODE_PARSERS = {  # each mode's parser: (its summary, its usage, the function th
 
 def parser() -> argparse.ArgumentParser:
     """The command and its modes (subcommands, as mode_parser builds each), for --help."""
-    p = _Parser(prog="python -m train.bench", usage=USAGE, description="Time the trainer's own step (train) and a "
-                "trained model's answers (infer).", epilog="Each mode's flags: python -m train.bench MODE --help; "
-                "details: docs/bench.md.", formatter_class=HelpFormatter)
+    p = CommandParser(prog="python -m train.bench", usage=USAGE, description="Time the trainer's own step (train) and "
+                      "a trained model's answers (infer).", epilog="Each mode's flags: python -m train.bench MODE "
+                      "--help; details: docs/bench.md.")
     modes = p.add_subparsers(title="modes", dest="mode", metavar="MODE", prog=p.prog)
     for name, (summary, _, add_flags) in MODE_PARSERS.items():
         add_flags(modes.add_parser(name, help=summary, **_mode_settings(name)))
@@ -87,12 +81,11 @@ def parser() -> argparse.ArgumentParser:
 
 def mode_parser(name: str) -> argparse.ArgumentParser:
     """The parser of one mode, `python -m train.bench NAME`: its flags in argument groups by task."""
-    p = _Parser(prog=f"python -m train.bench {name}", **_mode_settings(name))
+    p = CommandParser(prog=f"python -m train.bench {name}", **_mode_settings(name))
     MODE_PARSERS[name][2](p)
     return p
 
 
 def _mode_settings(name: str) -> dict:
     summary, usage, _ = MODE_PARSERS[name]
-    return {"usage": usage, "description": summary[0].upper() + summary[1:] + ".", "allow_abbrev": False,
-            "formatter_class": HelpFormatter}
+    return {"usage": usage, "description": summary[0].upper() + summary[1:] + ".", "allow_abbrev": False}

@@ -75,9 +75,16 @@ def resolve_preset(name: str) -> Path:
     return Path(str(resources.files("train.presets") / f"{name}.yaml"))
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2 like every other bad input, not argparse's usage block
-        raise UsageError(f"{message}; see python -m train --help")
+class CommandParser(argparse.ArgumentParser):
+    """The parser of each of the project's commands (train, plan, score, predict, export, bench): a
+    refused flag is one line and exit 2 like every other bad input (a UsageError naming the command's
+    --help), not argparse's usage block; the help is laid out by HelpFormatter."""
+
+    def __init__(self, **settings):
+        super().__init__(**{"formatter_class": HelpFormatter, **settings})
+
+    def error(self, message):
+        raise UsageError(f"{message}; see {self.prog} --help")
 
 
 COMPILE_MODES = names.COMPILE_MODES  # torch.compile's modes (--compile-mode NAME)
@@ -115,8 +122,8 @@ def metavar(f) -> str:
 
 def parser() -> argparse.ArgumentParser:
     """The flags, one argument group per task (config.GROUPS), each with its help and its default said once."""
-    p = _Parser(prog="python -m train", usage=USAGE, description="Train a ResNet on ImageNet-layout data.",
-                epilog=EPILOG, argument_default=argparse.SUPPRESS, formatter_class=HelpFormatter)
+    p = CommandParser(prog="python -m train", usage=USAGE, description="Train a ResNet on ImageNet-layout data.",
+                      epilog=EPILOG, argument_default=argparse.SUPPRESS)
     named = {**choices(), "preset": tuple(preset_names())}
     for title, members in GROUPS.items():
         group = p.add_argument_group(title)

@@ -26,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from train.cli import HelpFormatter
+from train.cli import CommandParser
 from train.errors import UsageError
 
 if TYPE_CHECKING:
@@ -178,17 +178,11 @@ def compare(expected: torch.Tensor, got: torch.Tensor) -> tuple[float, int]:
 
 
 # the command ----------------------------------------------------------------------------------------
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other refusal
-        raise UsageError(f"{message}; see python -m train.export --help")
-
-
 def parser() -> argparse.ArgumentParser:
     """The flags, one argument group per task, each with its help and its default said once."""
-    p = _Parser(prog="python -m train.export", usage="python -m train.export CHECKPOINT_OR_RUN --format onnx|pt2 "
-                "--out FILE [--tolerance X]", description=__doc__.split("\n\n")[0],
-                epilog="The file's input, output and metadata, and how to load it: docs/inference.md.",
-                formatter_class=HelpFormatter)
+    p = CommandParser(prog="python -m train.export", usage="python -m train.export CHECKPOINT_OR_RUN --format "
+                      "onnx|pt2 --out FILE [--tolerance X]", description=__doc__.split("\n\n")[0],
+                      epilog="The file's input, output and metadata, and how to load it: docs/inference.md.")
     p.add_argument("source", metavar="CHECKPOINT_OR_RUN", help="a checkpoint file or a run directory (its checkpoint.pt)")
     written = p.add_argument_group("the file written")
     written.add_argument("--format", required=True, choices=("onnx", "pt2"), metavar="NAME",

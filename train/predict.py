@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train.cli import HelpFormatter
+from train.cli import CommandParser
 from train.errors import UsageError
 
 if TYPE_CHECKING:
@@ -26,15 +26,10 @@ USAGE = ("python -m train.predict CHECKPOINT_OR_RUN PATH... [OPTIONS]\n"
          "       python -m train.predict --onnx FILE PATH... [OPTIONS]")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other refusal
-        raise UsageError(f"{message}; see python -m train.predict --help")
-
-
 def parser() -> argparse.ArgumentParser:
     """The flags, one argument group per task, each with its help and its default said once."""
-    p = _Parser(prog="python -m train.predict", usage=USAGE, description=__doc__.splitlines()[0],
-                epilog="Examples and details: docs/inference.md.", formatter_class=HelpFormatter)
+    p = CommandParser(prog="python -m train.predict", usage=USAGE, description=__doc__.splitlines()[0],
+                      epilog="Examples and details: docs/inference.md.")
     p.add_argument("inputs", nargs="+", metavar="CHECKPOINT_OR_RUN PATH",
                    help="a checkpoint file or a run directory (its checkpoint.pt), then image files and folders "
                         "(searched recursively); with --onnx, image files and folders only")

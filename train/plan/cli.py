@@ -4,7 +4,7 @@ import json
 import sys
 
 import train.plan as package
-from train.cli import HelpFormatter, parse as parse_config
+from train.cli import CommandParser, parse as parse_config
 from train.config import Config
 from train.errors import UsageError
 from train.plan import comm, model, report
@@ -15,20 +15,14 @@ from train.rules import DEFAULT_PER_RANK_BATCH
 NO_PRESET = "none"  # how the output names a plan of the trainer's defaults (no --preset)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other bad input
-        raise UsageError(f"{message}; see python -m train.plan --help")
-
-
 USAGE = ("python -m train.plan --gpus N[,M|A:B] --gpu NAME [--preset NAME] [OPTIONS]\n"
          "       python -m train.plan --published")
 
 
 def parser() -> argparse.ArgumentParser:
     """The flags, one argument group per task, each with its help and its default said once."""
-    p = _Parser(prog="python -m train.plan", usage=USAGE, description=package.__doc__.splitlines()[0],
-                epilog="The model and where each of its figures comes from: docs/planner.md.",
-                formatter_class=HelpFormatter)
+    p = CommandParser(prog="python -m train.plan", usage=USAGE, description=package.__doc__.splitlines()[0],
+                      epilog="The model and where each of its figures comes from: docs/planner.md.")
     what = p.add_argument_group("what to plan")
     what.add_argument("--preset", metavar="NAME", help="a trainer preset (train/presets) or a .yaml path (default: none, "
                       f"the trainer's defaults: ResNet-50 at 224 px, {DEFAULT_PER_RANK_BATCH} images per GPU kept)")

@@ -6,7 +6,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 import train.score as package  # its docstring's first paragraph is the CLI's description
-from train.cli import HelpFormatter
+from train.cli import CommandParser
+from train.errors import UsageError
 from train.score.flops import HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES
 from train.score.mlperf import MLPERF_TARGET, mlperf_score
 from train.score.report import draw_report, mlperf_line, table
@@ -17,16 +18,10 @@ USAGE = ("python -m train.score RUN_DIR [RUN_DIR ...] [OPTIONS]\n"
          "       python -m train.score --time-s T --top1 A [OPTIONS]")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit 2, like every other refusal of the scorer
-        self.exit(2, f"error: {message}; see python -m train.score --help\n")
-
-
 def parser() -> argparse.ArgumentParser:
     """The flags, one argument group per task, each with its help and its default said once."""
-    p = _Parser(prog="python -m train.score", usage=USAGE, description=package.__doc__.split("\n\n")[0],
-                epilog="How Valid FLOPS is computed: docs/valid_flops.md; the MLPerf rules: docs/mlperf.md.",
-                formatter_class=HelpFormatter)
+    p = CommandParser(prog="python -m train.score", usage=USAGE, description=package.__doc__.split("\n\n")[0],
+                      epilog="How Valid FLOPS is computed: docs/valid_flops.md; the MLPerf rules: docs/mlperf.md.")
     p.add_argument("runs", nargs="*", metavar="RUN_DIR", help="run directories (a run's --out-dir) to score")
     measure = p.add_argument_group("Valid FLOPS and the MLPerf verdict")
     measure.add_argument("--target", type=float, default=HPC_AI500_TARGET, metavar="X",
@@ -79,10 +74,10 @@ def scores_of(args: argparse.Namespace) -> list[Score]:
 
 
 def main(argv=None) -> int:
-    args = parser().parse_args(argv)
     try:
+        args = parser().parse_args(argv)
         scores = scores_of(args)
-    except ScoreError as err:
+    except (ScoreError, UsageError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     aggregate = mlperf_score(scores) if len(scores) > 1 else None
