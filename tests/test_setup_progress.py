@@ -22,7 +22,7 @@ def test_a_long_command_says_what_it_does_and_how_long_it_has_been_going():
     result = ticked("0.25", 'with_ticker "building Horovod from source" sleep 1.4')
     assert result.returncode == 0 and result.stdout == "after: 0\n", result
     lines = result.stderr.splitlines()
-    assert 3 <= len(lines) <= 6 and all(re.fullmatch(r"building Horovod from source: 0:0[0-2] so far", line)
+    assert 1 <= len(lines) <= 6 and all(re.fullmatch(r"building Horovod from source: 0:0[0-2] so far", line)
                                         for line in lines), lines
 
 
