@@ -65,3 +65,38 @@ def test_flops_scale_with_image_area_and_are_cached(private_cache):
     large = train_flops_per_image("resnet18", 224)
     assert 3.6 < large / small < 4.4
     assert (private_cache / "flops.json").read_text().count("resnet18/112/1000") == 1
+
+
+# BlurPool (--blurpool) ---------------------------------------------------------------------------
+def test_blurpool_keeps_torchvisions_weights_and_blurs_before_each_strided_conv():
+    torch.manual_seed(0)
+    theirs = torchvision.models.resnet50().eval()
+    blurred = build_model("resnet50", blurpool=True).eval()
+    assert list(blurred.state_dict()) == list(theirs.state_dict())  # the same names, no saved filter
+    blurred.load_state_dict(theirs.state_dict())
+    # the strided convolutions past the stem (layer2-4's 3x3 and their 1x1 shortcuts): 6 of them
+    strided = [name for name, m in blurred.named_modules() if isinstance(m, torch.nn.Conv2d) and max(m.stride) > 1]
+    from models.resnet import BlurConv2d
+    blurs = [name for name, m in blurred.named_modules() if isinstance(m, BlurConv2d)]
+    assert blurs == [n for n in strided if n != "conv1"] and len(blurs) == 6
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        assert not torch.allclose(blurred(x), theirs(x), atol=1e-3)  # the blur changes the function...
+        # ... and is the strided conv of the [1,2,1]x[1,2,1]/16-filtered input, by hand
+        conv = blurred.layer2[0].conv2
+        inner = torch.randn(1, conv.in_channels, 16, 16)
+        by_hand = torch.zeros_like(inner)
+        padded = torch.nn.functional.pad(inner, (1, 1, 1, 1))
+        weights = {(-1, -1): 1, (-1, 0): 2, (-1, 1): 1, (0, -1): 2, (0, 0): 4, (0, 1): 2, (1, -1): 1, (1, 0): 2, (1, 1): 1}
+        for (dy, dx), w in weights.items():
+            by_hand += w / 16 * padded[:, :, 1 + dy:17 + dy, 1 + dx:17 + dx]
+        expected = torch.nn.functional.conv2d(by_hand, conv.weight, None, conv.stride, conv.padding)
+        assert torch.allclose(conv(inner), expected, atol=1e-5)
+
+
+def test_a_blurpool_model_trains_with_channels_last_and_its_weights_load_into_a_plain_one():
+    model = build_model("resnet18", num_classes=10, channels_last=True, blurpool=True)
+    x = torch.randn(4, 3, 32, 32).contiguous(memory_format=torch.channels_last)
+    model(x).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    build_model("resnet18", num_classes=10).load_state_dict(model.state_dict())  # strict: every key, every shape

@@ -220,3 +220,24 @@ def test_the_warmup_ramps_to_where_the_schedule_stands_at_its_end():
     values = [steps(k) for k in range(1, 51)]
     assert values[19] == pytest.approx(0.32) and values[:20] == sorted(values[:20])
     assert values[20:] == pytest.approx([0.32] * 30) and steps(51) == pytest.approx(0.032)
+
+
+def test_cosine_and_linear_decay_to_zero_after_the_warmup():
+    """10 epochs of 10 steps, 2 warmup epochs: 80 decay steps from step 20 (the peak) to step 100 (0)."""
+    clock = EpochClock(100, 10, epochs=10)
+    cosine = schedule_of(clock, lr_schedule="cosine", optimizer="sgd")
+    linear = schedule_of(clock, lr_schedule="linear", optimizer="sgd")
+    for s in (cosine, linear):  # the same linear warmup from 0 to the peak
+        assert [s(k) for k in (1, 10, 20)] == pytest.approx([3.2 / 20, 1.6, 3.2])
+        assert s(100) == 0.0
+    # a quarter, half and three quarters of the decay: cos(pi/4)... by hand, and the straight line
+    quarter = 3.2 * (1 + 2 ** -0.5) / 2
+    assert [cosine(k) for k in (40, 60, 80)] == pytest.approx([quarter, 1.6, 3.2 - quarter])
+    assert [linear(k) for k in (40, 60, 80)] == pytest.approx([2.4, 1.6, 0.8])
+    values = [cosine(k) for k in range(20, 101)]
+    assert values == sorted(values, reverse=True)
+
+
+def test_a_cosine_schedule_without_warmup_starts_at_the_peak():
+    s = schedule_of(EpochClock(100, 10, epochs=4), lr_schedule="cosine", warmup_epochs=0, optimizer="sgd")
+    assert s(1) == pytest.approx(1.6 * (1 + math.cos(math.pi / 40))) and s(20) == pytest.approx(1.6) and s(40) == 0.0

@@ -29,6 +29,7 @@ class Config:
     # model
     arch: str = field(default="resnet50", metadata={"help": "a torchvision ResNet"})
     zero_init_residual: bool = field(default=True, metadata={"help": "zero the last BN gamma of every residual block"})
+    blurpool: bool = field(default=False, metadata={"help": "blur (3x3 binomial filter) before every strided convolution past the stem, against aliasing (FFCV's and Composer's BlurPool); the weights keep torchvision's names and shapes (docs/time_to_accuracy.md)"})
     channels_last: bool = field(default=True, metadata={"help": "NHWC memory format for model and batches"})
     compile: bool = field(default=False, metadata={"help": "compile the model with torch.compile (fewer kernel launches at small per-GPU batches; the first step and the first evaluation compile; docs/compile.md)"})
     compile_mode: str = field(default="default", metadata={"help": "torch.compile's mode for --compile: reduce-overhead and max-autotune replay CUDA graphs on a GPU (default: torch's own)"})
@@ -38,7 +39,7 @@ class Config:
     precision: str = field(default="auto", metadata={"help": "fp16 is CUDA only; auto: bf16 from compute capability 8.0 up (A100, H100), fp16 with loss scaling below (V100, T4), fp32 on CPU (docs/precision.md)"})
     # optimisation
     optimizer: str = field(default="lars", metadata={"help": "the update rule: LARS with MLPerf's semantics (docs/lars.md), momentum SGD, or RMSprop handing over to SGD (docs/seed_systems.md)"})
-    lr_schedule: str = field(default="warmup-poly", metadata={"help": "how the LR moves: linear warmup then polynomial decay (MLPerf's), steps at --lr-decay-epochs, or --lr-phases"})
+    lr_schedule: str = field(default="warmup-poly", metadata={"help": "how the LR moves after the linear warmup: polynomial decay to --end-lr (MLPerf's), steps at --lr-decay-epochs, --lr-phases, or a cosine or a straight line down to 0 at the last step"})
     batch_size: int = field(default=0, metadata={"help": "images per rank per step (0: --global-batch-size / ranks; when neither is set, on a GPU the largest power of two up to 256 whose step fits its memory, 256 on a CPU)"})
     global_batch_size: int = field(default=0, metadata={"help": "images per step over all ranks (0: --batch-size x ranks)"})
     batch_schedule: str = field(default="", metadata={"help": "batch-size control: 'E:B,...' = global batch B after E epochs (e.g. '30:69632'); per-rank batch and LR follow"})
@@ -111,7 +112,7 @@ GROUPS = {
     "data and loader": ("data_dir", "loader", "dali_decode", "workers", "image_size", "crop_min_scale", "crop_max_scale",
                         "crop_min_aspect", "crop_max_aspect", "augment_off_epoch", "num_classes", "synthetic_images",
                         "synthetic_val_images", "synthetic_classes"),
-    "model": ("arch", "zero_init_residual", "init_from_seed"),
+    "model": ("arch", "zero_init_residual", "blurpool", "init_from_seed"),
     "optimizer and schedule": ("optimizer", "batch_size", "global_batch_size", "batch_schedule", "epochs", "max_steps",
                                "lr", "lr_per_256", "lr_schedule", "warmup_epochs", "warmup_start_lr", "end_lr",
                                "lr_decay_power", "lr_decay_epochs", "lr_decay_factor", "lr_phases", "momentum",

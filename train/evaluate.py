@@ -46,7 +46,8 @@ def test_only(cfg: Config) -> tuple[float, float, int]:
     """`--test-only`: the checkpoint in --out-dir evaluated over the validation set of its run's data
     (or --data-dir), on any engine and rank count; nothing in the run directory changes."""
     engine, precision, loader, state = prepare_evaluation(cfg)
-    model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last).to(engine.device)
+    model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last,
+                        blurpool=cfg.blurpool).to(engine.device)
     model.load_state_dict(state["model"])
     top1, top5, images = evaluate(model, loader, precision, engine)
     if engine.rank == 0:

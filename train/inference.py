@@ -73,7 +73,8 @@ def load_trained(source: str | Path, device: torch.device) -> Trained:
     if differing:
         raise UsageError(f"{path} records arch {arch}, but its weights are not a {arch}'s ({differing} differs); "
                          f"the file was changed or mixed up: {WHAT_TO_DO}")
-    model = build_model(arch, num_classes, channels_last=bool(config.get("channels_last", False)))
+    model = build_model(arch, num_classes, channels_last=bool(config.get("channels_last", False)),
+                        blurpool=config.get("blurpool") is True)
     model.load_state_dict(weights)
     model = model.float().eval().to(device)
     names = state.get("classes")

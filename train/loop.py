@@ -95,7 +95,8 @@ class Training:
             torch.backends.cudnn.benchmark = True
             torch.set_float32_matmul_precision("high")
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last).to(device)
+        model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last,
+                            cfg.blurpool).to(device)
         model = engine.sync_batchnorm(model, cfg.bn_span, setup.ghost)
         optimizer = build_optimizer(cfg, model)
         self.clock = EpochClock.of(cfg, loader.train_images)

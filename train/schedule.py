@@ -218,6 +218,42 @@ class WarmupPolySchedule(Schedule):
         return self.end_lr + (peak - self.end_lr) * (1.0 - done) ** self.power
 
 
+class ToZeroSchedule(Schedule):
+    """A step-free decay from the peak at the warmup's end to 0 at the last step (k = total_steps):
+    `shape(done)` gives the fraction of the peak left when `done` of the decay steps are taken."""
+
+    @classmethod
+    def build(cls, cfg, clock):
+        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps)
+
+    def decayed(self, step: int, peak: float) -> float:
+        decay_steps = self.total_steps - self.warmup_steps
+        done = min(max(step - self.warmup_steps, 0), decay_steps) / decay_steps if decay_steps else 1.0
+        return peak * self.shape(done)
+
+    @staticmethod
+    def shape(done: float) -> float:
+        raise NotImplementedError
+
+
+@register("cosine")
+class CosineSchedule(ToZeroSchedule):
+    """Half a cosine from the peak down to 0 (Loshchilov and Hutter's SGDR without restarts)."""
+
+    @staticmethod
+    def shape(done: float) -> float:
+        return 0.5 * (1.0 + math.cos(math.pi * done))
+
+
+@register("linear")
+class LinearSchedule(ToZeroSchedule):
+    """A straight line from the peak down to 0: with the linear warmup, FFCV's triangular schedule."""
+
+    @staticmethod
+    def shape(done: float) -> float:
+        return 1.0 - done
+
+
 @register("multistep")
 class MultiStepSchedule(Schedule):
     """Goyal et al.'s step decay: the peak times factor ** (milestones passed); a milestone is the

@@ -243,7 +243,7 @@ def check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str
 # What defines a run: the same command started again must give the same values (resolved: the LR and
 # warmup chosen from the global batch, the class count found in the data). Run-length, logging,
 # checkpoint and input-thread settings may change from one start to the next.
-DEFINING = ("arch", "zero_init_residual", "init_from", "loader", "data_dir", "synthetic_images", "synthetic_classes",
+DEFINING = ("arch", "zero_init_residual", "blurpool", "init_from", "loader", "data_dir", "synthetic_images", "synthetic_classes",
             "num_classes", "image_size", "crop_min_scale", "crop_max_scale", "crop_min_aspect", "crop_max_aspect",
             "augment_off_epoch", "global_batch_size", "batch_schedule", "optimizer", "lr_schedule", "lr",
             "warmup_epochs", "end_lr", "lr_decay_power", "warmup_start_lr", "lr_decay_epochs", "lr_decay_factor",
@@ -287,7 +287,7 @@ def init_weights(cfg: Config) -> tuple[dict, str]:
     path = Path(cfg.init_from)
     weights, found = checkpoint.load_weights(path, "check --init-from")
     with torch.device("meta"):  # shapes only, nothing allocated
-        expected = build_model(cfg.arch, cfg.num_classes, cfg.zero_init_residual, cfg.channels_last).state_dict()
+        expected = build_model(cfg.arch, cfg.num_classes, cfg.zero_init_residual, cfg.channels_last, cfg.blurpool).state_dict()
     where = f"this run's {cfg.arch} with {cfg.num_classes} classes"
     for name, tensor in expected.items():
         if name not in weights:
