@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from data.dali_reader import PassRecord, TrainReader, encoded, packed
-from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader
+from data.loaders import EVAL_CROP_FRACTION, IMAGENET_MEAN, IMAGENET_STD, DataError, FileLoader, eval_size
 from data.sharding import epoch_permutation, epoch_seed
 
 BATCHES_AHEAD = 2  # decoded batches DALI keeps ready, and batches of files its readers keep ready
@@ -106,15 +106,16 @@ class DaliLoader(FileLoader):
         self.half = gpu and cfg.precision == "fp16"
         self.out_type = types.FLOAT16 if self.half else types.FLOAT
         self.pipeline_def = pipeline_def
-        self.builds = 0  # pipelines built (once per run and kind, again when the per-rank batch changes)
+        self.builds = 0  # pipelines built (once per run and kind, again when the per-rank batch or the crop size changes)
         self.passes = {}  # augment (True | False) -> (per-rank batch, _Passes, PassRecord) of the training pipelines
         self.val_passes, self.val_pull = None, _Pull()
         self.reader_source = None  # the training split as the reader processes get it, packed once
 
     # the pipelines -----------------------------------------------------------------------------
-    def _pipeline(self, source, batch_size, seed, augment, parallel=False):
+    def _pipeline(self, source, batch_size, seed, augment, size, parallel=False):
         """The graph on (encoded bytes, meta) from `source`: with `augment` a random-resized crop and
-        flip, else the evaluation transform (resize and centre crop). Outputs (images, meta)."""
+        flip to `size` px, else the evaluation transform (resize and centre crop to `size`). Outputs
+        (images, meta)."""
         fn, types = self.fn, self.types
         readers = dict(py_num_workers=max(1, self.cfg.workers), py_start_method="spawn") if parallel else {}
 
@@ -122,30 +123,30 @@ class DaliLoader(FileLoader):
         def pipeline():
             jpegs, meta = _parallel_source(fn, types, source, self.cfg.workers) if parallel else \
                 fn.external_source(source=source, num_outputs=2, dtype=[types.UINT8, types.INT64], batch=True)
-            return (self._train_transform(jpegs) if augment else self._eval_transform(jpegs)), meta
+            return (self._train_transform(jpegs, size) if augment else self._eval_transform(jpegs, size)), meta
         self.builds += 1
         return pipeline()
 
-    def _train_transform(self, jpegs):
+    def _train_transform(self, jpegs, size: int):
         fn, types, cfg = self.fn, self.types, self.cfg
         # no EXIF rotation: the torch loader (and PIL) read the pixels as stored
         images = fn.decoders.image_random_crop(jpegs, device=self.decode_device, output_type=types.RGB,
                                                adjust_orientation=False, random_area=[cfg.crop_min_scale, cfg.crop_max_scale],
                                                random_aspect_ratio=[cfg.crop_min_aspect, cfg.crop_max_aspect],
                                                num_attempts=100)
-        images = fn.resize(images, resize_x=cfg.image_size, resize_y=cfg.image_size, antialias=True)
+        images = fn.resize(images, resize_x=size, resize_y=size, antialias=True)
         return self._normalise(images.gpu() if self.to_gpu else images, mirror=fn.random.coin_flip())
 
-    def _eval_transform(self, jpegs):
+    def _eval_transform(self, jpegs, size: int):
         """The torch loader's evaluation transform, box for box (data/loaders.py eval_geometry): DALI's
         own resize_shorter rounds the longer side where torchvision truncates it, and its centre crop
         rounds half a margin up where torchvision rounds it to even, each shifting the crop by half a
         pixel or one. Decoded as the torch loader decodes (no EXIF rotation, libjpeg-turbo's chroma
         upsampling also on the GPU)."""
-        fn, types, size = self.fn, self.types, self.cfg.image_size
+        fn, types = self.fn, self.types
         images = fn.decoders.image(jpegs, device=self.decode_device, output_type=types.RGB, adjust_orientation=False,
                                    jpeg_fancy_upsampling=True)
-        height, width, top, left = self._eval_geometry(jpegs)
+        height, width, top, left = self._eval_geometry(jpegs, size)
         images = fn.resize(images, resize_y=fn.cast(height, dtype=types.FLOAT), resize_x=fn.cast(width, dtype=types.FLOAT),
                            antialias=True)
         images = images.gpu() if self.to_gpu else images
@@ -153,10 +154,10 @@ class DaliLoader(FileLoader):
         return self._normalise(images, crop=(size, size), crop_pos_y=top / self.dali_math.max(height - size, 1),
                                crop_pos_x=left / self.dali_math.max(width - size, 1))
 
-    def _eval_geometry(self, jpegs):
+    def _eval_geometry(self, jpegs, size: int):
         """eval_geometry in DALI's arithmetic, per sample from the encoded image's header."""
         shape = self.fn.peek_image_shape(jpegs, adjust_orientation=False)
-        height, width, size = shape[0], shape[1], self.cfg.image_size
+        height, width = shape[0], shape[1]
         shorter, short = self.dali_math.min(height, width), round(size / EVAL_CROP_FRACTION)
         height, width = short * height // shorter, short * width // shorter
 
@@ -173,20 +174,22 @@ class DaliLoader(FileLoader):
                                             **crop_or_mirror)
 
     def _training_passes(self, augment: bool, epoch: int) -> tuple[_Passes, PassRecord]:
-        """The training pipeline of this kind for the current per-rank batch, built on first use."""
-        batch_size = self.sampler.batch_size
-        if augment in self.passes and self.passes[augment][0] == batch_size:
+        """The training pipeline of this kind for the current per-rank batch and crop size, built on
+        first use."""
+        shape = (self.sampler.batch_size, self.train_size)
+        if augment in self.passes and self.passes[augment][0] == shape:
             return self.passes[augment][1:]
-        self.passes.pop(augment, None)  # a batch-size change: the old pipeline and its readers go
+        self.passes.pop(augment, None)  # a batch-size or resolution change: the old pipeline and its readers go
+        batch_size = shape[0]
         if self.reader_source is None:
             self.reader_source = packed(self.train_source)
         record = PassRecord(self.steps_per_epoch, batch_size)
         seed = (epoch_seed(self.cfg.seed, epoch) * 1009 + self.rank) % (1 << 31)  # DALI's own, per rank
-        pipe = self._pipeline(TrainReader(self.reader_source, record), batch_size, seed, augment,
+        pipe = self._pipeline(TrainReader(self.reader_source, record), batch_size, seed, augment, self.train_size,
                               parallel=True)
         passes = _Passes(pipe, record.stop)
         record.remove()  # the readers have it mapped now
-        self.passes[augment] = (batch_size, passes, record)
+        self.passes[augment] = (shape, passes, record)
         return passes, record
 
     # batches -------------------------------------------------------------------------------------
@@ -244,7 +247,7 @@ class DaliLoader(FileLoader):
 
     def val_batches(self):
         if self.val_passes is None:
-            self.val_passes = _Passes(self._pipeline(self.val_pull, self.cfg.batch_size, 0, augment=False),
+            self.val_passes = _Passes(self._pipeline(self.val_pull, self.cfg.batch_size, 0, False, eval_size(self.cfg)),
                                       self.val_pull.stop)
         token = self.val_passes.begin()
         self.val_pull.feed = self._eval_feed()

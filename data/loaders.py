@@ -20,7 +20,8 @@ class LoaderSettings:
     """What a loader is told: the few settings of the run that shape its batches."""
     data_dir: str = ""
     batch_size: int = 256  # per rank
-    image_size: int = 224
+    image_size: int = 224  # of training crops
+    eval_image_size: int = 0  # of evaluation crops (0: image_size)
     workers: int = 4
     seed: int = 0
     channels_last: bool = True
@@ -47,6 +48,11 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre crop
 
 
+def eval_size(cfg) -> int:
+    """The evaluation crop size of a loader's settings (LoaderSettings, or the run's config)."""
+    return getattr(cfg, "eval_image_size", 0) or cfg.image_size
+
+
 def eval_geometry(height: int, width: int, size: int) -> tuple[int, int, int, int]:
     """The evaluation transform's boxes for a height x width image, torchvision's Resize(round(size /
     0.875)) + CenterCrop(size): the resized (height, width), the shorter side round(size / 0.875) and
@@ -66,8 +72,8 @@ class Loader:
     # ledger: each position once per epoch, whatever the rank count)
     last_positions: range = range(0)
 
-    def __init__(self, num_classes, train_images, val_images, steps_per_epoch):
-        self.num_classes, self.train_images = num_classes, train_images
+    def __init__(self, num_classes, train_images, val_images, steps_per_epoch, train_size):
+        self.num_classes, self.train_images, self.train_size = num_classes, train_images, train_size
         self.val_images, self.steps_per_epoch = val_images, steps_per_epoch
         self.skipped, self.skipped_names = 0, []
 
@@ -99,6 +105,11 @@ class Loader:
         train_batches on. Every image still appears once per epoch."""
         raise NotImplementedError
 
+    def set_image_size(self, size: int) -> None:
+        """Progressive resizing: this rank's training crops are `size` px from the next train_batches on
+        (the evaluation keeps its own size)."""
+        self.train_size = size
+
     def close(self) -> None:
         """Let go of the reader threads or processes (a loader replaced during a run: Horovod Elastic's
         new rank count). The loader is not used again."""
@@ -119,7 +130,7 @@ class FileLoader(Loader):
             raise DataError(f"{root / 'train'} has {len(self.train_source)} images, fewer than one global batch of "
                             f"{self.sampler.global_batch}; lower --batch-size")
         super().__init__(len(classes), len(self.train_source), len(self.val_source),
-                         len(self.train_source) // self.sampler.global_batch)
+                         len(self.train_source) // self.sampler.global_batch, cfg.image_size)
         self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
         counts = self.train_source.class_counts()  # (None: shards written without their counts)
         if counts is not None:
@@ -142,12 +153,13 @@ class SyntheticLoader(Loader):
         if cfg.synthetic_images < self.global_batch and not cfg.evaluate_only:
             raise DataError(f"--synthetic-images {cfg.synthetic_images} is fewer than one global batch of {self.global_batch}")
         super().__init__(cfg.synthetic_classes, cfg.synthetic_images, cfg.synthetic_val_images,
-                         cfg.synthetic_images // self.global_batch)
+                         cfg.synthetic_images // self.global_batch, cfg.image_size)
         described = f"synthetic {cfg.synthetic_images} {cfg.synthetic_val_images} {cfg.synthetic_classes} {cfg.seed} {cfg.image_size}"
+        described += f" {eval_size(cfg)}" if eval_size(cfg) != cfg.image_size else ""
         self.sample_list_digest = hashlib.sha256(described.encode()).hexdigest()[:32]
 
-    def _batch(self, indices: torch.Tensor):
-        images, labels = synthetic_batch(indices, self.cfg.seed, self.cfg.image_size, self.num_classes, self.device)
+    def _batch(self, indices: torch.Tensor, size: int):
+        images, labels = synthetic_batch(indices, self.cfg.seed, size, self.num_classes, self.device)
         if self.cfg.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return images, labels
@@ -160,8 +172,8 @@ class SyntheticLoader(Loader):
         for step in range(start_step, self.steps_per_epoch):
             first = step * self.global_batch + self.rank * self.batch_size
             self.last_positions = range(first, first + self.batch_size)
-            yield self._batch(torch.arange(first, first + self.batch_size) + epoch * self.train_images)
+            yield self._batch(torch.arange(first, first + self.batch_size) + epoch * self.train_images, self.train_size)
 
     def val_batches(self):
         for batch in eval_batches(self.val_images, self.cfg.batch_size, self.rank, self.world_size):
-            yield self._batch(torch.tensor(batch) + _VAL_STREAM)
+            yield self._batch(torch.tensor(batch) + _VAL_STREAM, eval_size(self.cfg))

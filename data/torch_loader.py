@@ -22,7 +22,7 @@ import torch
 from torchvision.transforms.v2 import functional as TF
 
 from data.decode import BadImage, Encoded
-from data.loaders import IMAGENET_MEAN, IMAGENET_STD, FileLoader, eval_geometry
+from data.loaders import IMAGENET_MEAN, IMAGENET_STD, FileLoader, eval_geometry, eval_size
 from data.sources import first_readable
 
 BATCHES_IN_FLIGHT = 2  # the batch being consumed plus one being filled
@@ -144,27 +144,27 @@ def _one_intra_op_thread() -> None:
 class TorchLoader(FileLoader):
     def __init__(self, cfg, classes, rank, world_size, device):
         super().__init__(cfg, classes, rank, world_size)
-        size = cfg.image_size
-        self.train_crop = TrainCrop(size, (cfg.crop_min_scale, cfg.crop_max_scale), (cfg.crop_min_aspect, cfg.crop_max_aspect))
-        self.eval_crop = EvalCrop(size)
-        self.device, self.size = device, size
-        self.batch_maker = BatchMaker(size, device, cfg.channels_last)
+        self.cfg, self.device, self.channels_last = cfg, device, cfg.channels_last
+        self.eval_crop = EvalCrop(eval_size(cfg))
+        self.eval_maker = BatchMaker(eval_size(cfg), device, cfg.channels_last)
+        self.set_image_size(cfg.image_size)
         self.pool = ThreadPoolExecutor(max(1, cfg.workers), thread_name_prefix="loader",
                                        initializer=_one_intra_op_thread)
+
+    def set_image_size(self, size: int) -> None:
+        """The training crops (and their batches) at `size` px: the random-resized crop, and the
+        evaluation transform for epochs without augmentation (--augment-off-epoch)."""
+        super().set_image_size(size)
+        cfg = self.cfg
+        self.train_crop = TrainCrop(size, (cfg.crop_min_scale, cfg.crop_max_scale), (cfg.crop_min_aspect, cfg.crop_max_aspect))
+        self.plain_crop = EvalCrop(size)
+        self.train_maker = self.eval_maker if size == self.eval_maker.size else BatchMaker(size, self.device, self.channels_last)
 
     def close(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)
 
-    # a batch: empty memory, filled slot by slot by the threads, then handed to the loop ------------
-    def _empty_batch(self, n: int) -> torch.Tensor:
-        return self.batch_maker.empty(n)
-
-    def _put(self, batch: torch.Tensor, slot: int, pixels: torch.Tensor) -> None:
-        self.batch_maker.put(batch, slot, pixels)
-
-    def _on_device(self, batch: torch.Tensor) -> torch.Tensor:
-        return self.batch_maker.on_device(batch)
-
+    # a batch: empty memory (the maker's, of its crop size), filled slot by slot by the threads, then
+    # handed to the loop --------------------------------------------------------------------------
     def _labels_on_device(self, labels: list[int]) -> torch.Tensor:
         labels = torch.tensor(labels)
         if self.device.type == "cuda":  # from pinned memory, queued on the stream: no wait for the GPU
@@ -173,7 +173,7 @@ class TorchLoader(FileLoader):
 
     def _train_slot(self, batch, slot, key, crop):
         pixels, label, skipped = train_item(self.train_source, *key, crop)
-        self._put(batch, slot, pixels)
+        self.train_maker.put(batch, slot, pixels)
         return label, skipped
 
     def _eval_slot(self, batch, slot, index):
@@ -181,13 +181,13 @@ class TorchLoader(FileLoader):
             pixels, label = decoded(self.val_source, index, self.eval_crop)
         except BadImage:  # counted, not evaluated
             return None, [self.val_source.name(index)]
-        self._put(batch, slot, pixels)
+        self.eval_maker.put(batch, slot, pixels)
         return label, []
 
-    def _batches(self, keys_per_batch, fill_slot):
+    def _batches(self, keys_per_batch, fill_slot, maker: BatchMaker):
         """Device batches in order, with BATCHES_IN_FLIGHT of them being filled by the threads."""
         def start(keys):
-            batch = self._empty_batch(len(keys))
+            batch = maker.empty(len(keys))
             return batch, [self.pool.submit(fill_slot, batch, slot, key) for slot, key in enumerate(keys)]
 
         keys_per_batch = iter(keys_per_batch)
@@ -206,7 +206,7 @@ class TorchLoader(FileLoader):
                     continue
                 if len(good) < len(labels):
                     batch = batch[good]
-                yield self._on_device(batch), self._labels_on_device([labels[i] for i in good])
+                yield maker.on_device(batch), self._labels_on_device([labels[i] for i in good])
         finally:  # the loop stopped early: drop the work queued for batches nobody will read
             for _, slots in in_flight:
                 for slot in slots:
@@ -214,16 +214,17 @@ class TorchLoader(FileLoader):
 
     def train_batches(self, epoch, start_step=0, augment=True):
         self.sampler.epoch, self.sampler.start_step = epoch, start_step
-        crop = self.train_crop if augment else self.eval_crop  # without augmentation: the evaluation transform
+        crop = self.train_crop if augment else self.plain_crop  # without augmentation: the evaluation transform
         positions = deque()  # of the batches handed to the threads, in order
 
         def keys():
             for where, batch in self.sampler.batches():
                 positions.append(where)
                 yield batch
-        for batch in self._batches(keys(), lambda batch, slot, key: self._train_slot(batch, slot, key, crop)):
+        for batch in self._batches(keys(), lambda batch, slot, key: self._train_slot(batch, slot, key, crop),
+                                   self.train_maker):
             self.last_positions = positions.popleft()
             yield batch
 
     def val_batches(self):
-        return self._batches(self.eval_batches, self._eval_slot)
+        return self._batches(self.eval_batches, self._eval_slot, self.eval_maker)

@@ -181,7 +181,7 @@ def test_the_torch_loaders_boxes_are_torchvisions_and_dali_computes_the_same(tmp
 
         @pipeline_def(batch_size=len(payloads), num_threads=1, device_id=None)
         def boxes():
-            return dali._eval_geometry(fn.external_source(source=lambda: payloads, batch=True, dtype=types.UINT8))
+            return dali._eval_geometry(fn.external_source(source=lambda: payloads, batch=True, dtype=types.UINT8), size)
         pipe = boxes()
         pipe.build()
         computed = [tuple(int(np.asarray(out.at(i))) for out in pipe.run()) for i in range(len(shapes))]
@@ -221,3 +221,22 @@ def test_both_loaders_read_jpegs_as_stored_without_exif_rotation(tmp_path):
         crops = torch.cat([images for images, _ in loader.train_batches(epoch=0)])
         across = (crops[:, 1, 0, :] - crops[:, 1, -1, :]).abs().mean()  # green changes down the stored image
         assert across > 1, (loader, float(across))
+
+
+def test_eval_image_size_sets_both_loaders_evaluation_crops_and_leaves_training_at_image_size(smooth_tree):
+    """--eval-image-size 48 over --image-size 32: validation batches at 48 (the evaluation transform at
+    48, as both loaders compute it), training batches and augmentation-off batches still at 32."""
+    from data.decode import Encoded
+    from data.torch_loader import EvalCrop
+    mean_255 = torch.tensor([0.485, 0.456, 0.406]).view(3, 1, 1) * 255
+    dali, torch_loader = loaders(smooth_tree, eval_image_size=48)
+    for loader in (dali, torch_loader):
+        val = list(loader.val_batches())
+        assert {tuple(x.shape[1:]) for x, _ in val} == {(3, 48, 48)}
+        assert {tuple(x.shape[1:]) for x, _ in loader.train_batches(epoch=0)} == {(3, 32, 32)}
+        assert {tuple(x.shape[1:]) for x, _ in loader.train_batches(epoch=0, augment=False)} == {(3, 32, 32)}
+        first = val[0][0][0]
+        payload, _ = loader.val_source.read(loader.eval_batches[0][0])
+        expected = (EvalCrop(48)(Encoded(payload, "x")).float() - mean_255) / STD_255[0]
+        assert ((first - expected).abs() * STD_255[0]).max() <= RESAMPLING_LEVELS
+    assert eval_levels(dali, torch_loader).max() <= RESAMPLING_LEVELS

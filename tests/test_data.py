@@ -110,3 +110,13 @@ def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
     # val: every image exactly once, with the label of its folder
     val_labels = torch.cat([y for _, y in loader.val_batches()])
     assert val_labels.tolist() == loader.val_source.targets.tolist()
+
+
+def test_synthetic_evaluation_batches_take_the_eval_image_size():
+    from data.loaders import SyntheticLoader
+    from train.config import Config
+    cfg = Config(loader="synthetic", image_size=32, eval_image_size=40, batch_size=4, synthetic_images=8,
+                 synthetic_val_images=8, synthetic_classes=3)
+    loader = SyntheticLoader(cfg, 0, 1, torch.device("cpu"))
+    assert {tuple(x.shape) for x, _ in loader.val_batches()} == {(4, 3, 40, 40)}
+    assert {tuple(x.shape) for x, _ in loader.train_batches(0)} == {(4, 3, 32, 32)}

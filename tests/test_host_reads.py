@@ -93,6 +93,8 @@ CASES = {
     "fp16": (SYNTHETIC + ["--precision", "fp16"], {"TRAINER_ALLOW_CPU_FP16": "1"}),
     "dali": (["--loader", "dali", "--workers", 1], {}),
     "ghost BatchNorm": (SYNTHETIC + ["--bn-group-size", 2], {}),
+    "epoch-cutting methods": (SYNTHETIC + ["--ema-decay", 0.9, "--blurpool", "--lr-schedule", "cosine",
+                                           "--resolution-schedule", "16:24:0:1:8", "--eval-flip"], {}),
 }
 
 

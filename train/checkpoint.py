@@ -366,6 +366,12 @@ def peek(path: Path, what_to_do: str = "") -> dict:
     return {key: value for key, value in state.items() if not isinstance(value, dict)}
 
 
+def evaluated_weights(state: dict) -> dict:
+    """The weights a checkpoint's run evaluated: the average of the weights under "ema" when the run
+    kept one (--ema-decay), else the trained weights under "model"."""
+    return state["ema"] if isinstance(state.get("ema"), dict) else state["model"]
+
+
 # Where other scripts' checkpoints keep the weights (the first found wins): this trainer's and torchvision's
 # reference scripts' `model`, timm's and Lightning's `state_dict`, and the names common in tutorials
 WEIGHT_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "net")

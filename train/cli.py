@@ -226,7 +226,8 @@ BOUNDS = {
     "rmsprop_alpha": BELOW_1, "rmsprop_epsilon": ABOVE_0,
     "momentum": BELOW_1, "weight_decay": ZERO_OR_MORE, "lars_eta": ABOVE_0, "lars_epsilon": ZERO_OR_MORE,
     "label_smoothing": BELOW_1, "augment_off_epoch": ZERO_OR_MORE, "eval_every": ZERO_OR_MORE,
-    "eval_offset": ZERO_OR_MORE, "target_accuracy": (lambda v: 0 <= v <= 1, "a fraction in (0, 1] (0: run all epochs)"),
+    "eval_offset": ZERO_OR_MORE, "eval_image_size": (lambda v: v == 0 or (v >= 16 and v % 8 == 0), "0 or a multiple of 8 from 16 on"),
+    "ema_decay": BELOW_1, "target_accuracy": (lambda v: 0 <= v <= 1, "a fraction in (0, 1] (0: run all epochs)"),
     "ranks_per_node": ZERO_OR_MORE, "torus_rows": ZERO_OR_MORE, "bn_span": AT_LEAST_1, "stop_check_every": ZERO_OR_MORE,
     "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32)"), "max_steps": ZERO_OR_MORE, "log_every": AT_LEAST_1,
     "checkpoint_every": AT_LEAST_1, "checkpoint_every_steps": ZERO_OR_MORE, "checkpoint_every_minutes": ZERO_OR_MORE,
@@ -265,9 +266,10 @@ def _check_names_and_schedules(cfg: Config) -> None:
     for name, allowed in choices().items():
         value = getattr(cfg, name)
         _need(value in allowed, f"unknown --{name.replace('_', '-')} {value!r}; choose {', '.join(allowed[:-1])} or {allowed[-1]}")
-    from train.schedule import batch_changes, decay_epochs, lr_phases
+    from train.schedule import batch_changes, decay_epochs, lr_phases, resolution_ramp
     try:
         changes = batch_changes(cfg.batch_schedule)
+        resolution_ramp(cfg.resolution_schedule)
         if cfg.lr_schedule == "multistep":
             decay_epochs(cfg.lr_decay_epochs)
         phases = lr_phases(cfg.lr_phases) if cfg.lr_schedule == "phases" else []

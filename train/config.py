@@ -17,7 +17,8 @@ class Config:
     dali_decode: str = field(default="auto", metadata={"help": "where --loader dali decodes JPEGs; auto: on the GPU where there is one (nvJPEG), else on the CPU"})
     workers: int = field(default=4, metadata={"help": "input threads per rank: the torch loader's decoding threads, DALI's CPU threads"})
     threads: int = field(default=0, metadata={"help": "compute threads per rank (torch's intra-op threads; 0: OMP_NUM_THREADS if set, else the cores this process may use shared by the ranks on its host, less the loader's --workers on a GPU run, at least 1; docs/threads.md)"})
-    image_size: int = field(default=224, metadata={"help": "training and evaluation crop size in pixels"})
+    image_size: int = field(default=224, metadata={"help": "training crop size in pixels (and the evaluation's unless --eval-image-size)"})
+    resolution_schedule: str = field(default="", metadata={"metavar": "START:END:FROM:TO", "help": "progressive resizing (FFCV): training crops of START px until FROM epochs are done, of END px once TO are, between them a straight line rounded to a multiple of 32 (':STEP' after TO rounds to multiples of STEP); START, END and STEP multiples of 8; the evaluation stays at --eval-image-size (or --image-size); e.g. 160:192:65:76 (default: --image-size throughout)"})
     crop_min_scale: float = field(default=0.08, metadata={"help": "smallest area fraction of random-resized-crop"})
     crop_max_scale: float = field(default=1.0, metadata={"help": "largest area fraction of random-resized-crop"})
     crop_min_aspect: float = field(default=3 / 4, metadata={"help": "smallest aspect ratio of random-resized-crop"})
@@ -30,6 +31,7 @@ class Config:
     arch: str = field(default="resnet50", metadata={"help": "a torchvision ResNet"})
     zero_init_residual: bool = field(default=True, metadata={"help": "zero the last BN gamma of every residual block"})
     blurpool: bool = field(default=False, metadata={"help": "blur (3x3 binomial filter) before every strided convolution past the stem, against aliasing (FFCV's and Composer's BlurPool); the weights keep torchvision's names and shapes (docs/time_to_accuracy.md)"})
+    ema_decay: float = field(default=0.0, metadata={"help": "exponential moving average of the weights, updated after every optimizer step with this decay (e.g. 0.9999); evaluations, --test-only, predict and export then use the averaged weights, and checkpoints keep them (0: off)"})
     channels_last: bool = field(default=True, metadata={"help": "NHWC memory format for model and batches"})
     compile: bool = field(default=False, metadata={"help": "compile the model with torch.compile (fewer kernel launches at small per-GPU batches; the first step and the first evaluation compile; docs/compile.md)"})
     compile_mode: str = field(default="default", metadata={"help": "torch.compile's mode for --compile: reduce-overhead and max-autotune replay CUDA graphs on a GPU (default: torch's own)"})
@@ -70,6 +72,8 @@ class Config:
     # evaluation
     eval_every: int = field(default=4, metadata={"help": "evaluate every N epochs (0: never)"})
     eval_offset: int = field(default=0, metadata={"help": "evaluate after epoch e when (e + offset) %% eval_every == 0"})
+    eval_image_size: int = field(default=0, metadata={"help": "evaluation crop size in pixels, a multiple of 8 (0: --image-size); above the training size it offsets the smaller apparent object size of random-resized crops (Touvron et al. 2019, FFCV: train at 192, evaluate at 256); --test-only, predict and export take it too"})
+    eval_flip: bool = field(default=False, metadata={"help": "test-time augmentation: each evaluation image also mirrored, the two logits averaged (twice the evaluation's forward passes)"})
     target_accuracy: float = field(default=0.0, metadata={"help": "stop once top-1, a fraction (0.759 for 75.9 percent), reaches this (0: run all epochs)"})
     # run
     engine: str = field(default="auto", metadata={"help": "how the ranks talk: none (one process), torch (torch.distributed), horovod; auto: from the launcher's environment (torchrun, horovodrun, mpirun, srun)"})
@@ -109,10 +113,10 @@ FIELDS = {f.name: f for f in fields(Config) if not f.metadata.get("internal")}
 # --help's argument groups, by the task a user looks for a flag under; every flag is in one
 # (tests/test_help.py checks)
 GROUPS = {
-    "data and loader": ("data_dir", "loader", "dali_decode", "workers", "image_size", "crop_min_scale", "crop_max_scale",
+    "data and loader": ("data_dir", "loader", "dali_decode", "workers", "image_size", "resolution_schedule", "crop_min_scale", "crop_max_scale",
                         "crop_min_aspect", "crop_max_aspect", "augment_off_epoch", "num_classes", "synthetic_images",
                         "synthetic_val_images", "synthetic_classes"),
-    "model": ("arch", "zero_init_residual", "blurpool", "init_from_seed"),
+    "model": ("arch", "zero_init_residual", "blurpool", "ema_decay", "init_from_seed"),
     "optimizer and schedule": ("optimizer", "batch_size", "global_batch_size", "batch_schedule", "epochs", "max_steps",
                                "lr", "lr_per_256", "lr_schedule", "warmup_epochs", "warmup_start_lr", "end_lr",
                                "lr_decay_power", "lr_decay_epochs", "lr_decay_factor", "lr_phases", "momentum",
@@ -125,7 +129,7 @@ GROUPS = {
     "BatchNorm": ("bn_group_size", "bn_span", "bn_recompute_batches"),
     "checkpoints and resume": ("out_dir", "resume", "init_from", "checkpoints", "checkpoint_every",
                                "checkpoint_every_steps", "checkpoint_every_minutes", "keep_checkpoints"),
-    "evaluation": ("eval_every", "eval_offset", "target_accuracy", "test_only", "checkpoint"),
+    "evaluation": ("eval_every", "eval_offset", "eval_image_size", "eval_flip", "target_accuracy", "test_only", "checkpoint"),
     "logging": ("log_every", "tensorboard", "division", "submission_org", "submission_platform"),
     "presets and recipes": ("preset", "seed", "show_recipe"),
 }

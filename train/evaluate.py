@@ -7,6 +7,7 @@ import torch
 
 from data.progress import Progress
 from models import build_model
+from train import checkpoint
 from train.config import Config
 from train.startup import prepare_evaluation
 
@@ -21,8 +22,9 @@ def replicas_differing(model, engine) -> int:
 
 
 @torch.no_grad()
-def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
-    """(top-1, top-5, images) over the whole validation set: global correct / global total."""
+def evaluate(model, loader, precision, engine, flip: bool = False) -> tuple[float, float, int]:
+    """(top-1, top-5, images) over the whole validation set: global correct / global total. With
+    `flip` (--eval-flip) each image's logits are the mean of its own and its mirror image's."""
     model.eval()
     hits_so_far = torch.zeros(2, dtype=torch.int64, device=engine.device)  # top-1, top-5: on the device until the end
     images = 0
@@ -31,6 +33,8 @@ def evaluate(model, loader, precision, engine) -> tuple[float, float, int]:
     for done, (batch, labels) in enumerate(loader.val_batches(), 1):
         with precision.autocast():
             logits = model(batch)
+            if flip:
+                logits = (logits + model(batch.flip(3))) / 2
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices
         hits = top == labels[:, None]
         hits_so_far += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()])
@@ -48,8 +52,8 @@ def test_only(cfg: Config) -> tuple[float, float, int]:
     engine, precision, loader, state = prepare_evaluation(cfg)
     model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last,
                         blurpool=cfg.blurpool).to(engine.device)
-    model.load_state_dict(state["model"])
-    top1, top5, images = evaluate(model, loader, precision, engine)
+    model.load_state_dict(checkpoint.evaluated_weights(state))  # (--ema-decay: the average)
+    top1, top5, images = evaluate(model, loader, precision, engine, cfg.eval_flip)
     if engine.rank == 0:
         print(f"top-1 {top1:.4f}  top-5 {top5:.4f}  ({images} images)", flush=True)
     engine.shutdown()

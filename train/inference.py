@@ -64,7 +64,7 @@ def load_trained(source: str | Path, device: torch.device) -> Trained:
     path = checkpoint_of(source)
     state = checkpoint.load(path, torch.device("cpu"), WHAT_TO_DO)
     config = state.get("config") if isinstance(state.get("config"), dict) else {}
-    arch, weights = config.get("arch"), state["model"]
+    arch, weights = config.get("arch"), checkpoint.evaluated_weights(state)  # (--ema-decay: the average)
     if arch not in ARCHS:
         raise UsageError(f"{path} records no model this trainer builds (arch {arch!r}); {WHAT_TO_DO}")
     fc = weights.get("fc.weight")
@@ -80,7 +80,8 @@ def load_trained(source: str | Path, device: torch.device) -> Trained:
     names = state.get("classes")
     if not (isinstance(names, list) and len(names) == num_classes and all(isinstance(n, str) for n in names)):
         names = [str(i) for i in range(num_classes)]  # synthetic data has no names (nor did older checkpoints)
-    return Trained(model=model, class_names=list(names), arch=arch, image_size=int(config.get("image_size", 224)),
+    size = int(config.get("eval_image_size") or config.get("image_size", 224))  # (the run's evaluation size)
+    return Trained(model=model, class_names=list(names), arch=arch, image_size=size,
                    precision=str(config.get("precision", "fp32")), checkpoint=path, config=config)
 
 

@@ -10,7 +10,6 @@ the device between logging points; the only host syncs are at log points, epoch 
 import dataclasses
 import gc
 import logging
-import platform
 import sys
 import time
 from pathlib import Path
@@ -22,14 +21,13 @@ from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.config import PREEMPTED_MARKER, Config, to_dict
-from train.device_choices import loader_summary
-from train.engines.topology import node_summary
 from train.errors import Diverged, Preempted, RunAborted, UsageError, agreed_error
+from train.ema import WeightAverage
 from train.evaluate import evaluate, replicas_differing
 from train.host_memory import host_copy, reserve
 from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
-from train.runlog import RunLog, progress
+from train.runlog import RunLog, count, progress, run_header
 from train.schedule import EpochClock, EvalPlan, build_schedule
 from train.startup import Setup, prepare
 from train.stopping import Agreements, StopSignal
@@ -95,8 +93,7 @@ class Training:
             torch.backends.cudnn.benchmark = True
             torch.set_float32_matmul_precision("high")
         torch.manual_seed(cfg.seed)
-        model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last,
-                            cfg.blurpool).to(device)
+        model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last, cfg.blurpool).to(device)
         model = engine.sync_batchnorm(model, cfg.bn_span, setup.ghost)
         optimizer = build_optimizer(cfg, model)
         self.clock = EpochClock.of(cfg, loader.train_images)
@@ -120,10 +117,14 @@ class Training:
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # (a GPU-less host with nvcc: "No CUDA runtime")
             model.compile(mode=cfg.compile_mode)
         self.model, self.optimizer = engine.wrap(model, optimizer)
+        # --ema-decay: the average of the weights, the model evaluated and exported (from the broadcast weights on)
+        self.ema = WeightAverage(engine.unwrap(self.model), cfg.ema_decay, cfg.arch, loader.num_classes,
+                                 cfg.channels_last, cfg.blurpool) if cfg.ema_decay else None
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
             self._resume()
         self.lr = self.schedule.lr(max(self.state.step, 1))
         self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
+        self.loader_size = cfg.image_size  # and its training crop size
 
     def _resume(self) -> None:
         path, fallback = checkpoint.to_resume(self.out_dir)  # (checkpoint.pt, or the newest intact kept copy)
@@ -148,11 +149,15 @@ class Training:
                 "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
                 "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished, "config": to_dict(self.cfg),
                 "classes": self.loader.class_names, "best_top1": s.best_top1, "best_step": s.best_step,
-                **self.skipped.state_dict()}
+                **({"ema": self.ema.state_dict()} if self.ema else {}), **self.skipped.state_dict()}
 
     def load_state_dict(self, saved: dict, weights: bool = True) -> None:
         if weights:
             self.engine.unwrap(self.model).load_state_dict(saved["model"])
+        if self.ema and "ema" in saved:
+            self.ema.load_state_dict(saved["ema"])
+        elif self.ema:  # (a run that turns the average on at a resume starts it from the weights)
+            self.ema.restart()
         self.optimizer.load_state_dict(saved["optimizer"])
         self.precision.load_state_dict(saved["precision"])
         s = self.state
@@ -165,23 +170,7 @@ class Training:
 
     def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
-        data_dir, notes = self.setup.data_dir, self.setup.notes
-        device = engine.device
-        device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
-        where, layout = node_summary(engine.hosts) if engine.hosts else ("", {})  # (Horovod Elastic: no hosts)
-        batch_note, lr_note = (f" ({notes[key]})" if notes[key] else "" for key in ("batch", "lr"))
-        compiled = f" compiled ({cfg.compile_mode})" if cfg.compile else ""
-        schedule = f", then epochs:batch {cfg.batch_schedule}" if cfg.batch_schedule else ""
-        header = " | ".join([
-            f"training {cfg.arch} on {data_dir or 'synthetic data'}: {loader.num_classes} classes, "
-            f"{loader.train_images} train / {loader.val_images} val images",
-            f"{where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch {cfg.batch_size} = global "
-            f"batch {cfg.global_batch_size}{batch_note}{schedule}",
-            f"{cfg.optimizer} lr {cfg.lr:g}, warmup {cfg.warmup_epochs:g} epochs{lr_note}",
-            f"{self.precision.name}{compiled}{self.precision.source.removeprefix(self.precision.name)}, "
-            f"{_count(torch.get_num_threads(), 'thread')}",  # (what the precision follows)
-            loader_summary(cfg.loader, cfg.dali_decode, cfg.workers, device),
-            str(self.out_dir)])
+        header, device_name, layout = run_header(self.setup, cfg, self.precision, self.out_dir)
         self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}",
                        train_images=loader.train_images, val_images=loader.val_images,
                        precision=self.precision.name, schedule=self.schedule)
@@ -216,7 +205,7 @@ class Training:
         """The epoch's remaining steps; a logging window every --log-every steps; at the ranks'
         agreement points, a stop signal on any rank checkpoints and stops the run."""
         cfg, engine, s = self.cfg, self.engine, self.state
-        self._follow_batch_schedule()
+        self._follow_epoch_schedule()
         self.log.epoch_start(s.epoch + 1, fresh=s.step_in_epoch == 0)
         self.model.train()
         window, self.epoch_meter = LossMeter(engine.device), LossMeter(engine.device)
@@ -258,10 +247,16 @@ class Training:
         minutes = self.cfg.checkpoint_every_minutes
         return bool(minutes) and self.engine.rank == 0 and time.time() - self.last_checkpoint >= minutes * 60
 
-    def _follow_batch_schedule(self) -> None:
-        """Batch-size control: the epoch's global batch from the schedule; the loader's per-rank batch
-        (and so its steps per epoch) follows, and a change is logged."""
+    def _follow_epoch_schedule(self) -> None:
+        """What the schedule sets per epoch for the loader. Progressive resizing: the epoch's training
+        crop size. Batch-size control: the epoch's global batch; the loader's per-rank batch (and so
+        its steps per epoch) follows. A change is logged."""
         s = self.state
+        size = self.schedule.image_size(s.epoch)
+        if size != self.loader_size:
+            self.loader.set_image_size(size)
+            self.loader_size = size
+            self.log.print(f"epoch {s.epoch + 1}: training crops of {size} px")
         global_batch = self.schedule.global_batch(s.epoch)
         per_rank = global_batch // self.engine.world_size
         if per_rank != self.loader_batch:  # (a resumed run in a later phase changes without a log line)
@@ -282,6 +277,8 @@ class Training:
             loss = self.criterion(self.model(images), labels)
         self.engine.step(loss, self.optimizer, self.precision)
         self.optimizer.zero_grad()  # sets .grad to None (Horovod's wrapper takes no arguments)
+        if self.ema:
+            self.ema.update()
         loss = loss.detach().float()
         finite = torch.isfinite(loss)
         s.bad_steps = torch.where(finite, 0, s.bad_steps + 1)
@@ -305,7 +302,7 @@ class Training:
         if self.epoch_meter.steps:  # (none when a run resumes right after an epoch's last step)
             figures = dict(step=s.step, epoch=s.epoch + s.step_in_epoch / steps_per_epoch,
                            images=self.clock.images(s.step), epoch_seconds=round(seconds, 3),
-                           img_per_s=round(self._images_of(self.epoch_meter) / seconds, 2),
+                           img_per_s=round(self._images_of(self.epoch_meter) / seconds, 2), image_size=self.loader_size,
                            loss=mean_loss, lr=self.lr, skipped_images=skipped, samples=samples)
         self.log.epoch_end(number, finished, figures)
         last = s.epoch >= cfg.epochs
@@ -317,15 +314,16 @@ class Training:
             self.commit()
 
     def evaluate(self, epoch: int) -> None:
+        evaluated = self.ema.model if self.ema else self.model  # (--ema-decay: the average)
         if self.cfg.bn_recompute_batches:  # BN without moving averages: the last K batches' statistics
-            if not recompute_bn_statistics(self.engine.unwrap(self.model), self.recent.batches, self.engine,
-                                           self.precision):
+            bare = self.ema.model if self.ema else self.engine.unwrap(self.model)
+            if not recompute_bn_statistics(bare, self.recent.batches, self.engine, self.precision):
                 self.log.warning("no training batch since the resume to recompute BatchNorm statistics from; "
                                  "evaluating with the checkpoint's")
         else:
-            share_bn_statistics(self.model, self.engine, self.cfg.bn_span)
+            share_bn_statistics(evaluated, self.engine, self.cfg.bn_span)
         with self.log.evaluation(epoch, self.state.step, self.clock.images(self.state.step)) as record:
-            top1, top5, images = evaluate(self.model, self.loader, self.precision, self.engine)
+            top1, top5, images = evaluate(evaluated, self.loader, self.precision, self.engine, self.cfg.eval_flip)
             record(top1=top1, top5=top5, eval_images=images, skipped_images=len(self.skipped.take(self.loader, "validation")))
         s = self.state
         s.top1, s.top5 = top1, top5
@@ -341,6 +339,8 @@ class Training:
         learns whether the previous write worked, so all stop together. The last checkpoint of a run
         (`finished`: why the run is over, if it is) and `wait` ones are on disk when this returns."""
         share_bn_statistics(self.model, self.engine, self.cfg.bn_span)
+        if self.ema:  # (saved as evaluated)
+            share_bn_statistics(self.ema.model, self.engine, self.cfg.bn_span)
         s, out_dir = self.state, self.out_dir
         norms = torch.stack(torch._foreach_norm([p.detach() for p in self.model.parameters()]))
         if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
@@ -415,7 +415,7 @@ class Training:
         s, cfg = self.state, self.cfg
         seconds, images = time.time() - self.started, self.clock.images(s.step)
         steps, trained = s.step - self.first_step, images - self.clock.images(self.first_step)
-        segment = f"{_count(steps, 'step')}, {trained} images in {seconds:.1f} s"
+        segment = f"{count(steps, 'step')}, {trained} images in {seconds:.1f} s"
         summary = (f"done: {segment}" if not self.first_step else
                    f"done: step {s.step} ({segment} since the resume at step {self.first_step}; {images} images in all)")
         measured = f"; top-1 {s.top1:.4f}" if s.top1 is not None else ""  # (a run without evaluation: nothing to say)
@@ -446,6 +446,3 @@ class Training:
             raise agreed_error(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step "
                                         f"{s.step}); stopped, {self._kept()}; lower --lr"))
 
-
-def _count(n: int, what: str) -> str:
-    return f"{n} {what}{'' if n == 1 else 's'}"

@@ -9,7 +9,7 @@ ARCHS = ("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext5
          "resnext101_64x4d", "wide_resnet50_2", "wide_resnet101_2")
 PRECISIONS = ("auto", "fp32", "bf16", "fp16")
 OPTIMIZERS = ("lars", "sgd", "rmsprop-warmup")
-SCHEDULES = ("warmup-poly", "multistep", "phases", "cosine", "linear")
+SCHEDULES = ("warmup-poly", "cosine", "linear", "multistep", "phases")
 ENGINES = ("none", "torch", "horovod")
 ALLREDUCE = ("flat", "hierarchical", "torus")
 DIVISIONS = ("open", "closed")

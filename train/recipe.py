@@ -4,7 +4,7 @@ One JSON object: `config`, the resolved settings (batch, LR and warmup as the ru
 them for this launcher's rank count), `train_images` and `train_images_source` (the training-set
 size the epochs are counted over, and where it comes from), and `epochs`, one entry per epoch:
 `epoch` (from 1), `global_batch`, `lr_first` and `lr_last` (the LR of the epoch's first and last
-optimizer step), `augment`, and for a blended optimizer `sgd_share` (its momentum-SGD share at the
+optimizer step), `image_size` (its training crop size), `augment`, and for a blended optimizer `sgd_share` (its momentum-SGD share at the
 epoch's first step). The settings pass the checks a run's start-up makes of them; those of the
 machine (device, rank count against --bn-span, the run directory) are left to the run.
 """
@@ -57,7 +57,8 @@ def recipe(cfg: Config) -> dict:
     for epoch in range(cfg.epochs):
         first, last = clock.first_step(epoch) + 1, clock.first_step(epoch + 1)
         entry = {"epoch": epoch + 1, "global_batch": clock.global_batch(epoch), "lr_first": schedule.lr(first),
-                 "lr_last": schedule.lr(last), "augment": schedule.augment(epoch)}
+                 "lr_last": schedule.lr(last), "image_size": schedule.image_size(epoch),
+                 "augment": schedule.augment(epoch)}
         settings = schedule.step_settings(first)
         if "sgd_share" in settings:
             entry["sgd_share"] = settings["sgd_share"]

@@ -271,3 +271,34 @@ def progress(batches, steps: int, images_per_step: int, enabled: bool, desc: str
         finally:
             bar.close()
     return counted()
+
+
+def run_header(setup, cfg, precision, out_dir: Path) -> tuple[str, str, dict]:
+    """The run's first line (data, ranks and batch, optimizer, precision and threads, loader, run
+    directory), the device's name, and how the ranks lie on the nodes (from their host names)."""
+    import platform
+    import torch
+    from train.device_choices import loader_summary
+    from train.engines.topology import node_summary
+    engine, loader, notes = setup.engine, setup.loader, setup.notes
+    device = engine.device
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
+    where, layout = node_summary(engine.hosts) if engine.hosts else ("", {})  # (Horovod Elastic: no hosts)
+    batch_note, lr_note = (f" ({notes[key]})" if notes[key] else "" for key in ("batch", "lr"))
+    compiled = f" compiled ({cfg.compile_mode})" if cfg.compile else ""
+    schedule = f", then epochs:batch {cfg.batch_schedule}" if cfg.batch_schedule else ""
+    header = " | ".join([
+        f"training {cfg.arch} on {setup.data_dir or 'synthetic data'}: {loader.num_classes} classes, "
+        f"{loader.train_images} train / {loader.val_images} val images",
+        f"{where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch {cfg.batch_size} = global "
+        f"batch {cfg.global_batch_size}{batch_note}{schedule}",
+        f"{cfg.optimizer} lr {cfg.lr:g}, warmup {cfg.warmup_epochs:g} epochs{lr_note}",
+        f"{precision.name}{compiled}{precision.source.removeprefix(precision.name)}, "
+        f"{count(torch.get_num_threads(), 'thread')}",  # (what the precision follows)
+        loader_summary(cfg.loader, cfg.dali_decode, cfg.workers, device),
+        str(out_dir)])
+    return header, device_name, layout
+
+
+def count(n: int, what: str) -> str:
+    return f"{n} {what}{'' if n == 1 else 's'}"

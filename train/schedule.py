@@ -2,8 +2,9 @@
 
 A schedule answers `step_settings(k)`: the optimizer settings of the k-th optimizer step (the
 learning rate; for a blended optimizer also its momentum-SGD share), `global_batch(epoch)`: the
-global batch of an epoch (batch-size control), and `augment(epoch)`: whether training augmentation
-is on in that epoch (both 0-based). Schedules are registered by name (`--lr-schedule`); a new
+global batch of an epoch (batch-size control), `image_size(epoch)`: its training crop size
+(progressive resizing), and `augment(epoch)`: whether training augmentation is on in that epoch
+(all 0-based). Schedules are registered by name (`--lr-schedule`); a new
 recipe mechanism is a new class here, not a branch in the loop.
 
 Every schedule warms up linearly per step from --warmup-start-lr to the peak over the warmup, then
@@ -104,6 +105,59 @@ class EpochClock:
         return before + (steps_done - self.first[epoch]) * self.global_batch(epoch)
 
 
+class ResolutionRamp:
+    """Progressive resizing (--resolution-schedule 'START:END:FROM:TO[:STEP]'): the training crop size
+    of an epoch, START until FROM epochs are done, END once TO are, and between them a straight line
+    in the epochs done rounded to the nearest multiple of STEP (32 unless given), as FFCV's ImageNet
+    example ramps it. Small crops early are cheap (a step's work grows with the pixels) and, with the
+    evaluation at a higher resolution, cost little accuracy (Touvron et al. 2019)."""
+
+    def __init__(self, start: int, end: int, first: int, last: int, step: int = 32):
+        self.start, self.end, self.first, self.last, self.step = start, end, first, last, step
+
+    def __call__(self, epoch: int) -> int:
+        """The crop size of the epoch (0-based: `epoch` epochs are done before it)."""
+        if epoch >= self.last:
+            return self.end
+        if epoch <= self.first:
+            return self.start
+        size = self.start + (self.end - self.start) * (epoch - self.first) / (self.last - self.first)
+        rounded = round(size / self.step) * self.step  # (half to even, as numpy's round in FFCV's)
+        return min(max(rounded, min(self.start, self.end)), max(self.start, self.end))
+
+    def sizes(self, epochs: int) -> list[int]:
+        return [self(epoch) for epoch in range(epochs)]
+
+
+def resolution_ramp(text: str) -> ResolutionRamp | None:
+    """--resolution-schedule's ramp, None for ''; a ValueError naming the flag when it is not one."""
+    if not text.strip():
+        return None
+    example = "write START:END:FROM:TO[:STEP] in pixels and epochs, e.g. 160:192:65:76"
+    try:
+        numbers = [int(part) for part in text.split(":")]
+    except ValueError:
+        raise ValueError(f"--resolution-schedule {text!r} is not numbers; {example}") from None
+    if len(numbers) not in (4, 5):
+        raise ValueError(f"--resolution-schedule {text!r} has {len(numbers)} numbers, not 4 or 5; {example}")
+    start, end, first, last, step = numbers + [32] * (5 - len(numbers))
+    odd = next((n for n in (start, end, step) if n < 8 or n % 8), None)
+    if odd is not None:
+        raise ValueError(f"--resolution-schedule {text!r}: {odd} is not a multiple of 8; give resolutions and a "
+                         "step that are (160, 192, 32)")
+    if min(start, end) < 16:
+        raise ValueError(f"--resolution-schedule {text!r}: resolutions start at 16; give larger ones")
+    if first < 0 or last < first:
+        raise ValueError(f"--resolution-schedule {text!r}: the ramp's epochs must be 0 or more, FROM not above TO")
+    return ResolutionRamp(start, end, first, last, step)
+
+
+def largest_image_size(cfg) -> int:
+    """The largest training crop of a run (what its per-GPU batch must fit)."""
+    ramp = resolution_ramp(cfg.resolution_schedule)
+    return max(ramp.start, ramp.end) if ramp else cfg.image_size
+
+
 class SgdShareRamp:
     """The momentum-SGD share of a blended update (--optimizer rmsprop-warmup) against epochs done:
     0 before center - width/2, 1 after center + width/2, a half-cosine between. Akiba et al. describe
@@ -127,6 +181,8 @@ class Schedule:
     augment_off_epoch = 0  # from this epoch on (1-based), no augmentation; 0: never
     share = None  # SgdShareRamp of a blended optimizer
     clock = None
+    resolution = None  # ResolutionRamp of progressive resizing
+    base_size = 224  # the training crop size without one (--image-size)
 
     def __init__(self, base_lr: float, warmup_steps: int, total_steps: int):
         if total_steps <= 0:
@@ -139,6 +195,7 @@ class Schedule:
     def from_settings(cls, cfg, clock: EpochClock) -> "Schedule":
         schedule = cls.build(cfg, clock)
         schedule.clock, schedule.start_lr, schedule.augment_off_epoch = clock, cfg.warmup_start_lr, cfg.augment_off_epoch
+        schedule.resolution, schedule.base_size = resolution_ramp(cfg.resolution_schedule), cfg.image_size
         if cfg.optimizer == "rmsprop-warmup":
             schedule.share = SgdShareRamp(cfg.sgd_share_center, cfg.sgd_share_width)
         if len(clock.phases) > 1:
@@ -174,6 +231,10 @@ class Schedule:
 
     def global_batch(self, epoch: int) -> int:
         return self.clock.global_batch(epoch)
+
+    def image_size(self, epoch: int) -> int:
+        """The training crop size of an epoch (0-based)."""
+        return self.resolution(epoch) if self.resolution else self.base_size
 
     def augment(self, epoch: int) -> bool:
         return not (self.augment_off_epoch and epoch + 1 >= self.augment_off_epoch)

@@ -24,7 +24,7 @@ from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, agreed_error
 from train.precision import Precision
 from train.rules import DEFAULT_PER_RANK_BATCH, batch_sizes, lr_and_warmup
-from train.schedule import EpochClock, batch_phases
+from train.schedule import EpochClock, batch_phases, largest_image_size
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
@@ -185,7 +185,8 @@ def checked_setup(cfg: Config, engine):
     if cfg.restarted and cfg.global_batch_size % engine.world_size:
         raise UsageError(f"{cfg.out_dir} holds a run of global batch {cfg.global_batch_size}, which does not divide "
                          f"over {engine.world_size} ranks; continue it on a rank count that divides it")
-    default, batch_note = (default_batch(engine.device, precision.name, cfg.image_size, cfg.arch)
+    # (the per-GPU batch whose step fits at the run's largest training crop: --resolution-schedule's end)
+    default, batch_note = (default_batch(engine.device, precision.name, largest_image_size(cfg), cfg.arch)
                            if not (cfg.batch_size or cfg.global_batch_size) else (DEFAULT_PER_RANK_BATCH, ""))
     batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size, default)
     cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
@@ -244,7 +245,7 @@ def check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str
 # warmup chosen from the global batch, the class count found in the data). Run-length, logging,
 # checkpoint and input-thread settings may change from one start to the next.
 DEFINING = ("arch", "zero_init_residual", "blurpool", "init_from", "loader", "data_dir", "synthetic_images", "synthetic_classes",
-            "num_classes", "image_size", "crop_min_scale", "crop_max_scale", "crop_min_aspect", "crop_max_aspect",
+            "num_classes", "image_size", "resolution_schedule", "ema_decay", "crop_min_scale", "crop_max_scale", "crop_min_aspect", "crop_max_aspect",
             "augment_off_epoch", "global_batch_size", "batch_schedule", "optimizer", "lr_schedule", "lr",
             "warmup_epochs", "end_lr", "lr_decay_power", "warmup_start_lr", "lr_decay_epochs", "lr_decay_factor",
             "lr_phases", "momentum", "weight_decay", "nesterov", "lars_eta", "lars_epsilon", "label_smoothing",

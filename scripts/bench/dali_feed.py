@@ -60,7 +60,7 @@ class _MainThreadFeed(DaliLoader):
         feed = main_thread_feed(self, iter(self.sampler))
         seed = (epoch_seed(self.cfg.seed, epoch) * 1009 + self.rank) % (1 << 31)
         start = time.thread_time()
-        pipe = self._pipeline(lambda: next(feed), self.sampler.batch_size, seed, augment)
+        pipe = self._pipeline(lambda: next(feed), self.sampler.batch_size, seed, augment, self.train_size)
         pipe.build()
         self.build_seconds += time.thread_time() - start
         while True:

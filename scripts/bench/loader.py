@@ -71,7 +71,7 @@ def in_processes(loader: TorchLoader, workers: int):
     def batches(epoch):
         loader.sampler.epoch = epoch
         for images, labels in data:
-            yield torch.addcmul(loader.batch_maker.shift, images.contiguous(memory_format=torch.channels_last), loader.batch_maker.scale), labels
+            yield torch.addcmul(loader.train_maker.shift, images.contiguous(memory_format=torch.channels_last), loader.train_maker.scale), labels
     return batches
 
 

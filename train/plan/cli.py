@@ -223,7 +223,7 @@ def notes(rows: list[dict], setup: model.Setup) -> list[str]:
     for r in rows:
         for phase in r.get("phases", [])[1:]:
             out.append(f"{r['gpus']} GPUs: then {phase['epochs']:g} epochs at {phase['per_gpu_batch']}/GPU "
-                       f"(global {phase['global_batch']:,}): step {phase['step_s'] * 1e3:.2f} ms "
+                       f"(global {phase['global_batch']:,}) of {phase['image_size']} px: step {phase['step_s'] * 1e3:.2f} ms "
                        f"(compute {phase['compute_s'] * 1e3:.2f}, comm {phase['comm_s'] * 1e3:.2f})")
     if any(r["input_bound"] for r in rows):
         out.append("*: the input pipeline sets the step time")

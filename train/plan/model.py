@@ -19,7 +19,7 @@ from train.errors import UsageError
 from train.plan import comm, compute
 from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, CustomNetwork, Gpu, gpu as gpu_spec, in_node_link, network_link
 from train.rules import interpolate
-from train.schedule import batch_phases
+from train.schedule import batch_phases, largest_image_size, resolution_ramp
 from train.stopping import interval as agreement_interval
 from train.score.flops import IMAGENET_TRAIN_IMAGES, published_flop, valid_flops
 
@@ -209,22 +209,34 @@ def mlperf_epochs_reason(global_batch: int) -> str:
     return "the table's own" if global_batch in MLPERF_EPOCHS else "interpolated"
 
 
-def step_terms(setup: Setup, gpus: int, per_gpu_batch: int) -> dict:
-    """One training step of every GPU: compute, the all-reduce (all of it and the exposed part),
-    the optimizer step, and the step time, no shorter than the input pipeline allows nor faster per
-    image than the GPU's fastest measured point."""
+def pixel_share(image_size: int) -> float:
+    """A crop's work against the calibration points' 224 px: convolutions cost by the pixel."""
+    return (image_size / 224) ** 2
+
+
+def compute_seconds(setup: Setup, per_gpu_batch: int, image_size: int) -> float:
+    """A training step's compute at `image_size`: the fit's fixed cost, and its cost per image scaled
+    by the pixels."""
+    return setup.fit.fixed_s + per_gpu_batch * setup.fit.per_image_s * pixel_share(image_size)
+
+
+def step_terms(setup: Setup, gpus: int, per_gpu_batch: int, image_size: int = 224) -> dict:
+    """One training step of every GPU at crops of `image_size` px: compute, the all-reduce (all of it
+    and the exposed part), the optimizer step, and the step time, no shorter than the input pipeline
+    allows nor faster per image than the GPU's fastest measured point (scaled by the pixels)."""
     params = parameter_count(setup.cfg.arch)
-    compute_s = setup.fit.seconds(per_gpu_batch)
+    compute_s = compute_seconds(setup, per_gpu_batch, image_size)
     cluster, nbytes = setup.machine.cluster(gpus), params * WIRE_BYTES[setup.wire]
     comm_total = comm.allreduce_time(cluster, nbytes, setup.allreduce, setup.torus_rows, nccl=True)
     comm_s = comm.exposed(comm_total, compute_s, setup.overlap, BACKWARD_SHARE)
     optimizer_s = optimizer_seconds(setup.machine.gpu, params)
     step = compute_s + comm_s + optimizer_s
-    input_s, peak_s = per_gpu_batch / setup.input_cap, per_gpu_batch / setup.fit.peak_img_s
+    input_s, peak_s = per_gpu_batch / setup.input_cap, per_gpu_batch * pixel_share(image_size) / setup.fit.peak_img_s
     agreement_s = agreement_per_step(gpus, max(step, input_s, peak_s))
     step += agreement_s
     nccl = comm.nccl_choice(cluster, nbytes)[0] if setup.allreduce == "flat" and gpus > 1 else None
-    return {"per_gpu_batch": per_gpu_batch, "global_batch": per_gpu_batch * gpus, "compute_s": compute_s,
+    return {"per_gpu_batch": per_gpu_batch, "global_batch": per_gpu_batch * gpus, "image_size": image_size,
+            "compute_s": compute_s,
             "comm_s": comm_s, "comm_total_s": comm_total, "optimizer_s": optimizer_s, "agreement_s": agreement_s,
             "step_s": max(step, input_s, peak_s), "input_bound": input_s > max(step, peak_s),
             "peak_bound": peak_s > max(step, input_s) * (1 + 1e-9), "nccl_algorithm": nccl}  # not at the point itself
@@ -261,33 +273,54 @@ def phases(setup: Setup, gpus: int) -> tuple[list[tuple[float, int]], float, str
     return spans, epochs, source
 
 
+def resolution_spans(cfg: Config, start: float, end: float) -> list[tuple[float, int]]:
+    """[(epochs, training crop size)] from epoch `start` to `end` (fractional): --image-size
+    throughout, or --resolution-schedule's size of each epoch, equal neighbours merged."""
+    ramp = resolution_ramp(cfg.resolution_schedule)
+    if ramp is None:
+        return [(end - start, cfg.image_size)]
+    spans = []
+    for epoch in range(math.floor(start), math.ceil(end)):
+        length = min(end, epoch + 1) - max(start, epoch)
+        if spans and spans[-1][1] == ramp(epoch):
+            spans[-1] = (spans[-1][0] + length, spans[-1][1])
+        elif length > 0:
+            spans.append((length, ramp(epoch)))
+    return spans
+
+
 def plan(setup: Setup, gpus: int) -> dict:
     """The run on `gpus` GPUs: one row of the planner's output (Skip when the batch does not divide)."""
     nodes = nodes_of(gpus, setup.machine.gpus_per_node)
     check_rows(gpus, setup.torus_rows if setup.allreduce == "torus" else 0)
     spans, epochs, epochs_source = phases(setup, gpus)
     params, spec = parameter_count(setup.cfg.arch), setup.machine.gpu
-    fits = max_per_gpu_batch(spec, params, setup.cfg.image_size)
+    largest = largest_image_size(setup.cfg)
+    fits = max_per_gpu_batch(spec, params, largest)
     for _, batch in spans:
         if batch > fits:
             raise Skip(f"per-GPU batch {batch:,} does not fit in the {spec.name}'s {spec.memory_bytes / 1e9:.0f} GB "
-                       f"(at most {fits:,} images of {setup.cfg.image_size} px; docs/planner.md)")
-    steps_total = train_s = eval_s = trained = 0.0
+                       f"(at most {fits:,} images of {largest} px; docs/planner.md)")
+    steps_total = train_s = eval_s = trained = flop = 0.0
     evals = math.ceil(epochs / setup.cfg.eval_every) if setup.cfg.eval_every else 1
-    terms = []
+    eval_size = setup.cfg.eval_image_size or setup.cfg.image_size
+    terms, start = [], 0.0
     for span_epochs, batch in spans:
-        step = step_terms(setup, gpus, batch)
-        steps = math.ceil(span_epochs * IMAGENET_TRAIN_IMAGES / step["global_batch"])
         eval_steps = math.ceil(math.ceil(IMAGENET_VAL_IMAGES / gpus) / batch)
         # an evaluation step is a forward pass: a third of a training step's compute
-        eval_s += evals * span_epochs / epochs * eval_steps * (1 - BACKWARD_SHARE) * step["compute_s"]
-        steps_total += steps
-        train_s += steps * step["step_s"]
-        trained += steps * step["global_batch"]
-        terms.append({**step, "epochs": span_epochs, "steps": steps})
+        eval_s += (evals * span_epochs / epochs * eval_steps * (1 - BACKWARD_SHARE)
+                   * compute_seconds(setup, batch, eval_size))
+        for size_epochs, size in resolution_spans(setup.cfg, start, start + span_epochs):  # (progressive resizing)
+            step = step_terms(setup, gpus, batch, size)
+            steps = math.ceil(size_epochs * IMAGENET_TRAIN_IMAGES / step["global_batch"])
+            steps_total += steps
+            train_s += steps * step["step_s"]
+            trained += steps * step["global_batch"]
+            flop += published_flop(round(size_epochs * IMAGENET_TRAIN_IMAGES), setup.cfg.arch, size)
+            terms.append({**step, "epochs": size_epochs, "steps": steps})
+        start += span_epochs
     time_to_train = setup.startup_s + train_s + eval_s
-    images = epochs * IMAGENET_TRAIN_IMAGES
-    flops = published_flop(round(images), setup.cfg.arch, setup.cfg.image_size) / time_to_train
+    flops = flop / time_to_train
     first = terms[0]
     row = {"gpus": gpus, "nodes": nodes, "per_gpu_batch": first["per_gpu_batch"], "global_batch": first["global_batch"],
            "compute_s": first["compute_s"], "comm_s": first["comm_s"], "comm_total_s": first["comm_total_s"],

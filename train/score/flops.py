@@ -22,13 +22,32 @@ def num_classes(config: dict) -> int:
     return 1000 if config.get("data_dir") else 10  # ImageNet, or the embedded dataset's ten classes
 
 
-def run_flop(config: dict, images: int, eval_images: int) -> float:
-    """Total FLOPs of a run: images trained x forward + backward FLOPs per image, plus images
-    evaluated x forward FLOPs per image, for the run's arch, image size and classes."""
+def run_flop(config: dict, images: int, eval_images: int, epoch_ends: dict | None = None) -> float:
+    """Total FLOPs of a run: images trained x forward + backward FLOPs per image at the crop size they
+    were trained at, plus images evaluated x forward FLOPs per image at the evaluation's size, for the
+    run's arch and classes. `epoch_ends` (epochs done -> images trained by then) places the images of
+    a run with progressive resizing in their epochs."""
     from models import eval_flops_per_image, train_flops_per_image  # (loads torch)
-    arch, size = config.get("arch", "resnet50"), int(config.get("image_size", 224))
-    classes = num_classes(config)
-    return images * train_flops_per_image(arch, size, classes) + eval_images * eval_flops_per_image(arch, size, classes)
+    arch, classes = config.get("arch", "resnet50"), num_classes(config)
+    eval_size = int(config.get("eval_image_size") or config.get("image_size", 224))
+    trained = sum(count * train_flops_per_image(arch, size, classes)
+                  for size, count in images_by_size(config, images, epoch_ends or {}).items())
+    return trained + eval_images * eval_flops_per_image(arch, eval_size, classes)
+
+
+def images_by_size(config: dict, images: int, epoch_ends: dict) -> dict[int, int]:
+    """Training crop size -> images trained at it: all at --image-size, or with --resolution-schedule
+    each epoch's images (`epoch_ends`: epochs done -> images trained by then) at that epoch's size."""
+    from train.schedule import resolution_ramp
+    ramp = resolution_ramp(str(config.get("resolution_schedule") or ""))
+    if ramp is None:
+        return {int(config.get("image_size", 224)): images}
+    counts, before, epoch = {}, 0, 0
+    while before < images:
+        end = min(max(epoch_ends.get(epoch + 1, images), before), images)
+        counts[ramp(epoch)] = counts.get(ramp(epoch), 0) + end - before
+        before, epoch = end, epoch + 1
+    return counts
 
 
 def published_flop(images: int, arch: str, image_size: int) -> float:

@@ -8,7 +8,7 @@ RECIPE_KEYS = ("optimizer", "global_batch_size", "epochs", "lr", "warmup_epochs"
                # the recipe mechanisms: any of them set differently is the system's own recipe
                "lr_schedule", "batch_schedule", "warmup_start_lr", "lr_decay_epochs", "lr_decay_factor", "lr_phases",
                "nesterov", "bn_group_size", "bn_recompute_batches", "augment_off_epoch", "sgd_share_center",
-               "sgd_share_width", "rmsprop_lr_ratio", "rmsprop_alpha", "rmsprop_epsilon")
+               "sgd_share_width", "rmsprop_lr_ratio", "rmsprop_alpha", "rmsprop_epsilon", "ema_decay")
 
 
 def hpc_ai500_level(config: dict) -> tuple[str, str]:
@@ -16,6 +16,13 @@ def hpc_ai500_level(config: dict) -> tuple[str, str]:
     (ResNet-50 at 224 px, MLPerf LARS with a reference convergence point's hyperparameters)."""
     if config.get("arch") != "resnet50" or config.get("image_size") != 224:
         return "free", f"the model changed ({config.get('arch')} at {config.get('image_size')} px; reference resnet50 at 224)"
+    # the epoch-cutting methods that change the model or what is evaluated (docs/time_to_accuracy.md)
+    changed = [name for name, value in (("blurpool", config.get("blurpool") is True),
+                                        ("resolution_schedule", bool(config.get("resolution_schedule"))),
+                                        ("eval_image_size", config.get("eval_image_size") not in (None, 0, 224)),
+                                        ("eval_flip", config.get("eval_flip") is True)) if value]
+    if changed:
+        return "free", f"the model or its evaluation changed ({', '.join(changed)})"
     preset = str(config.get("preset", ""))
     if preset.startswith("mlperf-bs"):
         from train.cli import load_yaml_overrides, resolve_preset
