@@ -169,6 +169,7 @@ FP16 = {"TRAINER_ALLOW_CPU_FP16": "1"}
     ("kumar2019-tpu-32k", 2, ["--global-batch-size", 16, "--bn-span", 2]),
     ("yamazaki2019", 2, ["--global-batch-size", 16, "--augment-off-epoch", 2]),
     ("nvidia-mlperf40-2528gpu", 2, ["--global-batch-size", 16]),
+    ("ffcv-rn50-88ep", 1, ["--global-batch-size", 16, "--resolution-schedule", "16:24:0:1:8", "--eval-image-size", 24]),
 ])
 def test_each_seed_preset_trains_a_few_steps(preset, ranks, extra, tmp_path):
     args = ["-m", "train", "--preset", preset, *TINY, *extra, "--out-dir", tmp_path / "run"]
@@ -179,6 +180,8 @@ def test_each_seed_preset_trains_a_few_steps(preset, ranks, extra, tmp_path):
     assert len(evals) == 2 and evals[-1]["eval_images"] == 16
     if ranks > 1:
         assert [r["differing_from_rank0"] for r in records if r["kind"] == "replicas"] == [0]
+    if preset.startswith("ffcv"):  # its own crop sizes, scaled down: 16 px, then 24; evaluated at 24 with flips
+        assert [r["image_size"] for r in records if r["kind"] == "epoch"] == [16, 24]
     if preset == "mikami2018":
         assert [(r["epoch"], r["global_batch"]) for r in records if r["kind"] == "batch"] == [(2, 32)]
 

@@ -79,6 +79,7 @@ def rejoin(training) -> None:
         raise agreed_error(UsageError(f"with {engine.world_size} workers now: {err}, or global batches that every "
                                       "count from --min-np to --max-np divides"))
     training.cfg, training.loader, training.loader_batch = setup.cfg, setup.loader, setup.cfg.batch_size
+    training.loader_size = setup.cfg.image_size  # (the new loader's crops: the epoch sets its own again)
     if engine.rank != old_rank and (engine.rank == 0 or old_rank == 0):
         # the run directory's lock goes with rank 0: the job keeps it across the change (train/runlock.py)
         if setup.lock:
