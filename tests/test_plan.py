@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from helpers import REPO, child_env
+from models import memory
 from train.plan import comm, compute, model
 from train.plan.cli import main
 from train.plan.hardware import Link
@@ -311,7 +312,7 @@ def test_activation_estimate_counts_the_models_kept_tensors():
         if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.MaxPool2d)):
             module.register_forward_hook(count)
     net(torch.zeros(1, 3, 224, 224, device="meta"))
-    assert model.ACTIVATION_BYTES_PER_IMAGE == pytest.approx(2 * (counted[0] + 3 * 224 * 224), rel=0.02)
+    assert memory.ACTIVATION_BYTES_PER_IMAGE == pytest.approx(2 * (counted[0] + 3 * 224 * 224), rel=0.02)
 
 
 def test_epochs_held_at_the_table_ends_are_said_and_listed_in_order(capsys):

@@ -68,7 +68,7 @@ def default_batch(device: torch.device, precision: str, image_size: int, arch: s
     why): on a GPU the largest power of two up to 256 that fits its memory, on a CPU 256."""
     if device.type != "cuda":
         return DEFAULT_PER_RANK_BATCH, ""
-    from train.plan.model import fitting_power_of_two, parameter_count
+    from models.memory import fitting_power_of_two, parameter_count
     memory = torch.cuda.get_device_properties(device).total_memory
     batch = fitting_power_of_two(memory, parameter_count(arch), image_size, precision, DEFAULT_PER_RANK_BATCH)
     if not batch:

@@ -6,7 +6,6 @@
 The compute model is fitted here (compute.py does the arithmetic) to calibration.yaml, each point's
 step first cleared of the all-reduce and optimizer that the same model gives its machine.
 """
-import functools
 import math
 from dataclasses import dataclass, field
 from importlib import resources
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from models.memory import fitting_batch, parameter_count  # (facts of the model: models/memory.py)
 from train.config import Config
 from train.errors import UsageError
 from train.plan import comm, compute
@@ -39,14 +39,6 @@ CPU_DECODE_IMG_S_PER_CORE = 280  # DALI CPU pipeline measured on this project's 
 # MLPerf reference convergence points: global batch -> mean epochs to 75.9% top-1 (docs/learning_rate.md, docs/mlperf.md)
 MLPERF_EPOCHS = {1632: 35.0, 3264: 35.2, 4096: 40.0, 8192: 42.0, 13056: 45.4, 32768: 56.0, 49152: 68.0,
                  58880: 79.9, 65536: 84.5, 67840: 85.9}
-# GPU memory of a training step (docs/planner.md): the activations kept for backward, per image at
-# 224 px in fp16 (each convolution's output and each BatchNorm's output, on which ReLU runs in
-# place: 22.6 M values), the model state per parameter (fp32 weight, gradient and momentum, fp16
-# copies of weight and gradient), and a reserve for the CUDA context, cuDNN workspaces and the
-# allocator's slack (assumed).
-ACTIVATION_BYTES_PER_IMAGE = 45e6
-STATE_BYTES_PER_PARAM = 16
-MEMORY_RESERVE_BYTES = 2e9
 
 
 @dataclass(frozen=True)
@@ -84,15 +76,6 @@ class Skip(Exception):
     """This GPU count cannot run the preset (the reason is the message)."""
 
 
-@functools.lru_cache(maxsize=None)
-def parameter_count(arch: str) -> int:
-    """Parameters of the model, built on the meta device (no memory, no time)."""
-    import torch
-    from models import build_model
-    with torch.device("meta"):
-        return sum(p.numel() for p in build_model(arch).parameters())
-
-
 def optimizer_seconds(spec: Gpu, params: int) -> float:
     return params * OPTIMIZER_BYTES_PER_PARAM / (spec.hbm_bytes_per_s * MEMORY_EFFICIENCY)
 
@@ -110,20 +93,6 @@ def nodes_of(gpus: int, gpus_per_node: int) -> int:
 def max_per_gpu_batch(spec: Gpu, params: int, image_size: int) -> int:
     """The largest per-GPU batch whose step fits in the GPU's memory (activations scale with pixels)."""
     return fitting_batch(spec.memory_bytes, params, image_size)
-
-
-def fitting_batch(memory_bytes: float, params: int, image_size: int, precision: str = "fp16") -> int:
-    """The largest batch whose training step fits in `memory_bytes`: activations scale with the pixels,
-    and fp32 keeps them at twice the bytes of fp16 and bf16."""
-    per_image = ACTIVATION_BYTES_PER_IMAGE * (image_size / 224) ** 2 * (2 if precision == "fp32" else 1)
-    free = memory_bytes - MEMORY_RESERVE_BYTES - params * STATE_BYTES_PER_PARAM
-    return max(0, int(free // per_image))
-
-
-def fitting_power_of_two(memory_bytes: float, params: int, image_size: int, precision: str, limit: int) -> int:
-    """The largest power of two up to `limit` that fitting_batch allows (0: not one image)."""
-    fits = min(fitting_batch(memory_bytes, params, image_size, precision), limit)
-    return 1 << (fits.bit_length() - 1) if fits else 0
 
 
 def check_rows(gpus: int, rows: int) -> None:

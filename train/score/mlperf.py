@@ -6,10 +6,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from train.score.runs import Score
+from train.score.result import Score
 
 MLPERF_TARGET = 0.759
 

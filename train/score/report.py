@@ -4,12 +4,9 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from train.score.logs import read_metrics
-
-if TYPE_CHECKING:
-    from train.score.runs import Score
+from train.score.result import Score
 
 
 def throughput_series(metrics: list[dict]) -> tuple[list[list[tuple[float, float]]], list[float]]:

@@ -9,39 +9,12 @@ from train.score.flops import HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_
 from train.score.level import hpc_ai500_level
 from train.score.logs import read_config, read_metrics, read_mllog, training_seconds
 from train.score.mlperf import compliance
+from train.score.result import Score, ScoreError
 from train.schedule import EpochClock, batch_changes
 
 # The settings that make runs one configuration for an MLPerf score.
 CONFIG_KEYS = ("arch", "image_size", "global_batch_size", "optimizer", "lr", "epochs", "warmup_epochs", "preset",
                "lr_schedule", "batch_schedule", "bn_group_size", "bn_recompute_batches", "augment_off_epoch")
-
-
-class ScoreError(Exception):
-    """Nothing could be scored; the message says why."""
-
-
-@dataclass
-class Score:
-    run: str
-    time_to_quality_s: float
-    images: int
-    throughput_img_s: float
-    top1: float
-    total_flop: float
-    flops: float
-    valid_flops: float
-    mlperf_compliant: bool | None = None
-    mlperf_verdict: str = ""
-    mlperf_reason: str = ""  # why the checker gave no verdict (mlperf_compliant null); "" when it did
-    time_to_target_s: float | None = None
-    reached_target: bool | None = None
-    training_time_s: float | None = None
-    wall_time_s: float | None = None
-    status: str = "complete"
-    hpc_ai500_level: str = ""
-    level_reason: str = ""
-    config_key: str = ""
-    notes: list = field(default_factory=list)
 
 
 @dataclass
