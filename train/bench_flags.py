@@ -3,7 +3,7 @@ one's flags in argument groups by task. Light: --help prints without loading tor
 import argparse
 
 from train import names
-from train.cli import CommandParser
+from train.command import CommandParser
 
 BACKENDS = ("eager", "compile", "onnxruntime")
 

@@ -10,13 +10,13 @@ import argparse
 import importlib.util
 import math
 import os
-import textwrap
 from importlib import resources
 from pathlib import Path
 
 import yaml
 
 from train import names
+from train.command import CommandParser
 from train.config import FIELDS, GROUPS, Config
 from train.errors import UsageError
 
@@ -75,18 +75,6 @@ def resolve_preset(name: str) -> Path:
     return Path(str(resources.files("train.presets") / f"{name}.yaml"))
 
 
-class CommandParser(argparse.ArgumentParser):
-    """The parser of each of the project's commands (train, plan, score, predict, export, bench): a
-    refused flag is one line and exit 2 like every other bad input (a UsageError naming the command's
-    --help), not argparse's usage block; the help is laid out by HelpFormatter."""
-
-    def __init__(self, **settings):
-        super().__init__(**{"formatter_class": HelpFormatter, **settings})
-
-    def error(self, message):
-        raise UsageError(f"{message}; see {self.prog} --help")
-
-
 COMPILE_MODES = names.COMPILE_MODES  # torch.compile's modes (--compile-mode NAME)
 
 
@@ -96,14 +84,6 @@ def choices() -> dict[str, tuple]:
             "precision": names.PRECISIONS, "optimizer": names.OPTIMIZERS, "lr_schedule": names.SCHEDULES,
             "engine": ("auto", *names.ENGINES), "allreduce": names.ALLREDUCE, "division": names.DIVISIONS,
             "compile_mode": COMPILE_MODES}
-
-
-class HelpFormatter(argparse.HelpFormatter):
-    """Every command's --help (train, train.plan, train.score, ...): names like mlperf-bs1632 and
-    ib-hdr stay whole on one line."""
-
-    def _split_lines(self, text, width):
-        return textwrap.wrap(" ".join(text.split()), width, break_on_hyphens=False)
 
 
 USAGE = "python -m train [--preset NAME] [--data-dir PATH] [--out-dir PATH] [OPTIONS]"

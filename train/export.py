@@ -26,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import TYPE_CHECKING
 
-from train.cli import CommandParser
+from train.command import CommandParser
 from train.errors import UsageError
 
 if TYPE_CHECKING:

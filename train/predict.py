@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from train.cli import CommandParser
+from train.command import CommandParser
 from train.errors import UsageError
 
 if TYPE_CHECKING:

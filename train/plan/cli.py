@@ -4,7 +4,8 @@ import json
 import sys
 
 import train.plan as package
-from train.cli import CommandParser, parse as parse_config
+from train.cli import parse as parse_config
+from train.command import CommandParser
 from train.config import Config
 from train.errors import UsageError
 from train.plan import comm, model, report

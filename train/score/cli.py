@@ -6,7 +6,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 import train.score as package  # its docstring's first paragraph is the CLI's description
-from train.cli import CommandParser
+from train.command import CommandParser
 from train.errors import UsageError
 from train.score.flops import HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES
 from train.score.mlperf import MLPERF_TARGET, mlperf_score
