@@ -9,7 +9,7 @@ import pytest
 
 from train.plan import model
 from train.plan.cli import parser, plans, setup_of
-from train.stopping import AGREEMENT_LONGEST_S, AGREEMENT_SHARE, Agreements, interval
+from train.stopping import AGREEMENT_LONGEST_S, AGREEMENT_SHARE, FlagChecks, interval
 
 
 def test_the_interval_keeps_the_agreement_a_small_share_and_a_signal_close():
@@ -23,7 +23,7 @@ def test_the_interval_keeps_the_agreement_a_small_share_and_a_signal_close():
 
 
 class TwoRanks:
-    """An engine for two threads standing in for two ranks: agree() is the elementwise largest of both
+    """An engine for two threads standing in for two ranks: max_over_ranks() is the elementwise largest of both
     ranks' values, and costs this rank `delay` seconds more once they have met (so the two measure
     different costs and propose different intervals)."""
 
@@ -36,7 +36,7 @@ class TwoRanks:
         class Rank:
             world_size = 2
 
-            def agree(self, values):
+            def max_over_ranks(self, values):
                 engine.values[rank] = values
                 engine.barrier.wait()
                 largest = [max(pair) for pair in zip(*engine.values.values())]
@@ -53,12 +53,12 @@ def test_the_ranks_agree_at_the_same_steps_and_space_them_by_their_cost():
     ranks, steps_agreed, stops = TwoRanks(), {0: [], 1: []}, {0: [], 1: []}
 
     def train(rank: int):
-        agreements = Agreements()
+        agreements = FlagChecks()
         for step in range(1, 2001):
             time.sleep(0.0002)  # a step of about 0.2 ms
             if agreements.due(step, 2):
                 steps_agreed[rank].append(step)  # (before agreeing: a rank left waiting alone shows too)
-                stop, = agreements.agree(ranks.rank(rank, 0.01 if rank == 0 else 0.001), step, [rank == 1 and step >= 10])
+                stop, = agreements.exchange(ranks.rank(rank, 0.01 if rank == 0 else 0.001), step, [rank == 1 and step >= 10])
                 stops[rank].append(stop)
     threads = [threading.Thread(target=train, args=(rank,), daemon=True) for rank in (0, 1)]
     for thread in threads:
@@ -72,11 +72,11 @@ def test_the_ranks_agree_at_the_same_steps_and_space_them_by_their_cost():
 
 
 def test_a_fixed_interval_and_one_rank():
-    agreements = Agreements(every=3)
-    assert [step for step in range(1, 10) if agreements.due(step, 2) and agreements.agree(Single(), step, [False]) == [False]] \
+    agreements = FlagChecks(every=3)
+    assert [step for step in range(1, 10) if agreements.due(step, 2) and agreements.exchange(Single(), step, [False]) == [False]] \
         == [3, 6, 9]
-    assert all(Agreements().due(step, 1) for step in range(1, 5))  # one rank: every step, nothing exchanged
-    restarted = Agreements()
+    assert all(FlagChecks().due(step, 1) for step in range(1, 5))  # one rank: every step, nothing exchanged
+    restarted = FlagChecks()
     restarted.restart(500)  # a resume, a rollback: the next agreement counted from there on every rank
     assert not restarted.due(509, 2) and restarted.due(510, 2)
 
@@ -85,7 +85,7 @@ class Single:
     world_size = 2
 
     @staticmethod
-    def agree(values):
+    def max_over_ranks(values):
         return values
 
 

@@ -14,7 +14,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             cfg = parse(sys.argv[1:] if argv is None else argv)
         except UsageError as err:  # the same flags on every rank: the same error everywhere
-            err.agreed = True
+            err.raised_everywhere = True
             raise
         if cfg.show_recipe:
             from train.recipe import show_recipe
@@ -42,9 +42,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _exit(err: Exception, message: str, code: int) -> int:
-    """Every rank exits with the code. A failure all ranks agreed on (marked `agreed`) is printed
+    """Every rank exits with the code. A failure raised on every rank alike (marked `raised_everywhere`) is printed
     once, by rank 0; any other is printed by the rank that met it."""
-    if _rank() == 0 or not getattr(err, "agreed", False):
+    if _rank() == 0 or not getattr(err, "raised_everywhere", False):
         print(message, file=sys.stderr)
     return code
 

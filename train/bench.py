@@ -366,9 +366,9 @@ def main(argv: list[str] | None = None) -> int:
             raise UsageError(f"give a mode: python -m train.bench train [flags] or python -m train.bench infer "
                              f"[CHECKPOINT_OR_RUN] [flags]{f', not {argv[0]!r}' if argv else ''}")
         return MODES[argv[0]](argv[1:])
-    except (UsageError, DataError) as err:  # (the trainer's agreed errors: printed once, by rank 0)
+    except (UsageError, DataError) as err:  # (errors raised on every rank: printed once, by rank 0)
         from train.engines import detect_launch
-        if detect_launch().rank == 0 or not getattr(err, "agreed", False):
+        if detect_launch().rank == 0 or not getattr(err, "raised_everywhere", False):
             print(f"error: {err}", file=sys.stderr)
         return 2
     except RunAborted as err:

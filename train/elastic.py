@@ -17,7 +17,7 @@ import contextlib
 from horovod.common.elastic import State
 
 from train import runlock
-from train.errors import UsageError, agreed_error
+from train.errors import UsageError, raised_everywhere
 from train.host_memory import host_copy, replace_tensors
 from train.runlog import RunLog
 
@@ -76,7 +76,7 @@ def rejoin(training) -> None:
     try:
         setup.reshare()
     except UsageError as err:  # (every worker decides alike)
-        raise agreed_error(UsageError(f"with {engine.world_size} workers now: {err}, or global batches that every "
+        raise raised_everywhere(UsageError(f"with {engine.world_size} workers now: {err}, or global batches that every "
                                       "count from --min-np to --max-np divides"))
     training.cfg, training.loader, training.loader_batch = setup.cfg, setup.loader, setup.cfg.batch_size
     training.loader_size = setup.cfg.image_size  # (the new loader's crops: the epoch sets its own again)

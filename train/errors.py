@@ -27,7 +27,7 @@ class Preempted(Exception):
     start resumes by itself."""
 
 
-def agreed_error(err: Exception) -> Exception:
+def raised_everywhere(err: Exception) -> Exception:
     """Marks an error that every rank raises alike, so that only rank 0 prints it."""
-    err.agreed = True
+    err.raised_everywhere = True
     return err

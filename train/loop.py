@@ -21,7 +21,7 @@ from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.config import PREEMPTED_MARKER, Config, to_dict
-from train.errors import Diverged, Preempted, RunAborted, UsageError, agreed_error
+from train.errors import Diverged, Preempted, RunAborted, UsageError, raised_everywhere
 from train.ema import WeightAverage
 from train.evaluate import evaluate, replicas_differing
 from train.host_memory import host_copy, reserve
@@ -30,7 +30,7 @@ from train.optim import build_optimizer
 from train.runlog import RunLog, count, progress, run_header
 from train.schedule import EpochClock, EvalPlan, build_schedule
 from train.startup import Setup, prepare
-from train.stopping import Agreements, StopSignal
+from train.stopping import FlagChecks, StopSignal
 
 
 def run(cfg: Config, step_timer=None) -> dict:  # (step_timer: python -m train.bench's, train/bench.py)
@@ -103,7 +103,7 @@ class Training:
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
         self.ledger, self.skipped = SampleLedger(), SkippedFiles(engine, self.log.warning)
-        self.agreements = Agreements(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
+        self.flag_checks = FlagChecks(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.restart_flags = setup.restart_flags
         self.step_timer = step_timer.attach(engine) if step_timer else None  # python -m train.bench only: it syncs
@@ -164,7 +164,7 @@ class Training:
         s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
         s.stop, s.reached_target = s.step >= self.cfg.max_steps > 0, False  # (a rollback may go back before either)
         self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
-        self.agreements.restart(s.step)  # (every rank, at the same step: a resume, a rollback, a state sync)
+        self.flag_checks.restart(s.step)  # (every rank, at the same step: a resume, a rollback, a state sync)
         s.best_top1, s.best_step = saved.get("best_top1"), saved.get("best_step")  # (none in older checkpoints)
         self.skipped.load_state_dict(saved)
 
@@ -231,8 +231,8 @@ class Training:
                 s.stop = True
                 return
             stop = late = False
-            if self.agreements.due(s.step, engine.world_size):  # (train/stopping.py: spaced by what they cost)
-                stop, late = self.agreements.agree(engine, s.step, [stop_signal.raised, self._checkpoint_late()])
+            if self.flag_checks.due(s.step, engine.world_size):  # (train/stopping.py: spaced by what they cost)
+                stop, late = self.flag_checks.exchange(engine, s.step, [stop_signal.raised, self._checkpoint_late()])
             if stop:
                 self._preempt()
             by_steps = cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0
@@ -344,7 +344,7 @@ class Training:
         s, out_dir = self.state, self.out_dir
         norms = torch.stack(torch._foreach_norm([p.detach() for p in self.model.parameters()]))
         if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
-            raise agreed_error(Diverged(f"weights are not finite at step {s.step}; stopped, {self._kept()}; lower --lr"))
+            raise raised_everywhere(Diverged(f"weights are not finite at step {s.step}; stopped, {self._kept()}; lower --lr"))
         samples = self.ledger.total(self.engine)
         self.skipped.take(self.loader, "training")  # (kept in the checkpoint: a resume in this epoch counts on from these)
         problem = None
@@ -363,7 +363,7 @@ class Training:
                            f"command{self.restart_flags} again")
         self.last_checkpoint = time.time()
         if self.engine.any(problem is not None):
-            raise agreed_error(RunAborted(problem or "rank 0 could not write the checkpoint"))
+            raise raised_everywhere(RunAborted(problem or "rank 0 could not write the checkpoint"))
 
     def _wait_for_write(self) -> None:
         """Until the background write (and the copies of the one before) is done; logs it, or raises its
@@ -443,6 +443,6 @@ class Training:
         """Every rank stops once any rank's streak of non-finite losses reaches the limit."""
         cfg, s = self.cfg, self.state
         if self.engine.any(int(s.bad_steps.item()) >= cfg.max_bad_steps):
-            raise agreed_error(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step "
+            raise raised_everywhere(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step "
                                         f"{s.step}); stopped, {self._kept()}; lower --lr"))
 

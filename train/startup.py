@@ -1,8 +1,8 @@
 """Start-up: every check that can fail and everything the run is defined by, resolved on every rank
 before the run directory exists, and handed to the loop as one object (`prepare` -> `Setup`).
 
-A failure on any rank is raised on every rank (`agreed`), so no rank goes on alone and none waits
-for one that stopped; such an error is marked `agreed` and printed once, by rank 0.
+A failure on any rank is raised on every rank (`on_every_rank`), so no rank goes on alone and none
+waits for one that stopped; such an error is marked `raised_everywhere` and printed once, by rank 0.
 """
 import contextlib
 import dataclasses
@@ -21,7 +21,7 @@ from train import checkpoint, engines, runlock
 from train.config import Config, to_dict
 from train.device_choices import choose_loader, default_batch
 from train.engines.topology import check_bn_span
-from train.errors import RunFinished, UsageError, agreed_error
+from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision
 from train.rules import DEFAULT_PER_RANK_BATCH, batch_sizes, lr_and_warmup
 from train.schedule import EpochClock, batch_phases, largest_image_size
@@ -63,9 +63,9 @@ def prepare(cfg: Config) -> Setup:
     directory (rank 0 makes it and takes its lock)."""
     started_ms = int(time.time() * 1000)
     engine = create_engine(cfg)
-    cfg, loader, precision, data_dir, notes, init, warnings = agreed(engine, lambda: checked_setup(cfg, engine))
-    loader, relisted = agree_on_samples(engine, cfg, precision, data_dir, loader)
-    out_dir, lock = agreed(engine, lambda: make_out_dir(cfg, engine))
+    cfg, loader, precision, data_dir, notes, init, warnings = on_every_rank(engine, lambda: checked_setup(cfg, engine))
+    loader, relisted = same_sample_lists(engine, cfg, precision, data_dir, loader)
+    out_dir, lock = on_every_rank(engine, lambda: make_out_dir(cfg, engine))
     return Setup(cfg=dataclasses.replace(cfg, out_dir=str(out_dir)), engine=engine, precision=precision,
                  loader=loader, data_dir=data_dir, notes=notes, out_dir=out_dir, lock=lock,
                  ghost=ghost_group(cfg, engine.world_size), init=init,
@@ -73,7 +73,7 @@ def prepare(cfg: Config) -> Setup:
                  warnings=warnings + ([relisted] if relisted else []))
 
 
-def agree_on_samples(engine, cfg: Config, precision: Precision, data_dir: str, loader) -> tuple:
+def same_sample_lists(engine, cfg: Config, precision: Precision, data_dir: str, loader) -> tuple:
     """(loader, warning or ""): every rank trains on the same sample list. Each rank reads its list
     from an index (data/index.py), and a node's own cache may hold one that passes the index's check
     but lists other files; so the ranks compare digests of their lists, and when any differs from rank
@@ -90,13 +90,13 @@ def agree_on_samples(engine, cfg: Config, precision: Precision, data_dir: str, l
     def relisted():
         loader.close()
         return _build_loader(cfg, engine, precision, data_dir, relist=True)
-    loader = agreed(engine, relisted)
+    loader = on_every_rank(engine, relisted)
     again = engine.gather_object(loader.sample_list_digest)
     hosts = engine.hosts or ["?"] * engine.world_size
     where = ", ".join(f"{rank} on {hosts[rank]}" for rank in differing)
     if len(set(again)) > 1:
         still = ", ".join(f"{rank} on {hosts[rank]}" for rank, digest in enumerate(again) if digest != again[0])
-        raise agreed_error(UsageError(f"the ranks see different images in {data_dir}: rank(s) {still} list other "
+        raise raised_everywhere(UsageError(f"the ranks see different images in {data_dir}: rank(s) {still} list other "
                                       f"files than rank 0 on {hosts[0]}; give every node the same data folder"))
     return loader, (f"rank(s) {where} read another sample list of {data_dir} than rank 0 (a stale index in a "
                     "node's cache); every rank listed the folders again, and now they agree")
@@ -122,7 +122,7 @@ def prepare_evaluation(cfg: Config) -> tuple:
         state = checkpoint.load(saved, engine.device)
         check_evaluated(state, cfg, loader, saved, data_dir)
         return precision, loader, state
-    return (engine, *agreed(engine, checked))
+    return (engine, *on_every_rank(engine, checked))
 
 
 def create_engine(cfg: Config):
@@ -136,7 +136,7 @@ def create_engine(cfg: Config):
     try:
         engine = engines.create(cfg)
     except UsageError as err:  # decided by the flags and the launcher's environment: alike on every rank
-        raise agreed_error(err)
+        raise raised_everywhere(err)
     engine.threads = compute_threads(cfg, getattr(engine, "on_this_host", 1), engine.device.type == "cuda")
     torch.set_num_threads(engine.threads)
     return engine
@@ -156,7 +156,7 @@ def compute_threads(cfg: Config, ranks_here: int, on_gpu: bool, env=os.environ) 
     return max(1, cores // max(1, ranks_here) - input_threads)
 
 
-def agreed(engine, step):
+def on_every_rank(engine, step):
     """Runs a set-up step on every rank; if it fails on any, every rank raises the first failure
     (rank 0 prints it), so no rank goes on alone and no rank hangs waiting for one that stopped.
     Under Horovod Elastic each rank decides alone: a worker joining a running job must not issue a
@@ -171,7 +171,7 @@ def agreed(engine, step):
     first = next((p for p in engine.gather_object(problem) if p is not None), None)
     if first is not None:
         kind = {cls.__name__: cls for cls in (UsageError, DataError, RunFinished)}[first[0]]
-        raise agreed_error(kind(first[1]))
+        raise raised_everywhere(kind(first[1]))
     return value
 
 
@@ -203,7 +203,7 @@ def checked_setup(cfg: Config, engine):
         cfg = dataclasses.replace(cfg, eval_every=0)
     check_batch_phases(cfg, engine.world_size, loader.train_images)
     init = init_weights(cfg) if cfg.init_from and not cfg.resume else None  # loaded into the model by the loop
-    # read-only checks of the run directory: rank 0's verdict reaches the others through agreed(); under
+    # read-only checks of the run directory: rank 0's verdict reaches the others through on_every_rank(); under
     # Horovod Elastic (no collective there) every rank reads the same files and decides alike
     if engine.rank == 0 or engine.elastic:
         if cfg.out_dir and Path(cfg.out_dir).is_dir():  # another job running in it: refused before anything else
@@ -386,7 +386,7 @@ def make_out_dir(cfg: Config, engine) -> tuple[Path, "runlock.RunLock | None"]:
     """Rank 0 creates the run directory, takes its lock (train/runlock.py) and writes config.yaml; every
     rank learns the name. A failure leaves nothing behind: the folders made for it are removed again,
     and a job refused by the lock writes nothing at all."""
-    if engine.elastic and not cfg.out_dir:  # (no collective to agree on a time-stamped name; see agreed())
+    if engine.elastic and not cfg.out_dir:  # (no collective to agree on a time-stamped name; see on_every_rank())
         raise UsageError("Horovod Elastic needs --out-dir: a worker that joins later must find the run's directory")
     out_dir = Path(cfg.out_dir or engine.broadcast_object(_default_out_dir(cfg)))  # one name, whatever each rank's clock says
     if engine.rank != 0:

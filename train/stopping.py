@@ -1,5 +1,5 @@
 """Stopping together: a signal that asks the run to stop (StopSignal), and the steps at which the ranks
-agree on it and on rank 0's checkpoint clock (Agreements).
+agree on it and on rank 0's checkpoint clock (FlagChecks).
 
 An agreement is an all-reduce of a few numbers over every rank, on the host: latency-bound, it costs
 about 2 x (ranks - 1) network hops, a tenth of a second at 2,528 ranks, where a step takes milliseconds.
@@ -28,8 +28,9 @@ def interval(agreement_s: float, step_s: float, share: float = AGREEMENT_SHARE,
     return max(1, min(enough, math.floor(longest_s / step_s) if step_s > 0 else enough))
 
 
-class Agreements:
-    """The steps at which the ranks agree (every rank calls due() at every step, and agree() when due)."""
+class FlagChecks:
+    """The steps at which the ranks exchange their flags (a stop signal, rank 0's checkpoint clock) and
+    agree on them: every rank calls due() at every step, and exchange() when due."""
 
     def __init__(self, every: int = 0):
         self.every = every  # --stop-check-every (0: by the measured cost)
@@ -44,7 +45,7 @@ class Agreements:
     def due(self, step: int, world_size: int) -> bool:
         return world_size == 1 or step >= self.next_step
 
-    def agree(self, engine, step: int, flags: list[bool]) -> list[bool]:
+    def exchange(self, engine, step: int, flags: list[bool]) -> list[bool]:
         """Each flag true on every rank when it is true on any (host-side, no device sync); the next
         agreement's step chosen, alike on every rank."""
         if engine.world_size == 1:
@@ -53,10 +54,10 @@ class Agreements:
         first_step, first_clock = self.since
         step_s = (started - first_clock) / max(1, step - first_step)
         proposal = self.every or (interval(self.agreement_s, step_s) if self.agreement_s is not None else FIRST_INTERVAL)
-        *agreed, chosen = engine.agree([int(flag) for flag in flags] + [proposal])  # the largest of each, over ranks
+        *flags_anywhere, chosen = engine.max_over_ranks([int(flag) for flag in flags] + [proposal])  # the largest of each, over ranks
         done = time.perf_counter()
         self.agreement_s, self.since, self.next_step = done - started, (step, done), step + chosen
-        return [bool(value) for value in agreed]
+        return [bool(value) for value in flags_anywhere]
 
 
 class StopSignal:

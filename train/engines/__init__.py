@@ -60,7 +60,7 @@ class Engine(Protocol):
     def any(self, flag: bool) -> bool:
         """True on every rank when it is true on any: host-side agreement, no device sync."""
 
-    def agree(self, values: list[int]) -> list[int]:
+    def max_over_ranks(self, values: list[int]) -> list[int]:
         """The largest of each value over the ranks, on every rank: host-side, no device sync (the
         ranks' agreements, train/stopping.py)."""
 

@@ -146,7 +146,7 @@ class Horovod(Topology):
         with self._waiting("an agreement"):
             return bool(self.hvd.allreduce(torch.tensor([int(flag)]), op=self.hvd.Max, name="stop_flag").item())
 
-    def agree(self, values: list[int]) -> list[int]:
+    def max_over_ranks(self, values: list[int]) -> list[int]:
         with self._waiting("an agreement"):  # (a host tensor: no GPU sync)
             return self.hvd.allreduce(torch.tensor(values, dtype=torch.int64), op=self.hvd.Max, name="agreement").tolist()
 

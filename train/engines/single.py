@@ -38,7 +38,7 @@ class SingleProcess:
     def any(self, flag: bool) -> bool:
         return flag
 
-    def agree(self, values: list[int]) -> list[int]:
+    def max_over_ranks(self, values: list[int]) -> list[int]:
         return list(values)
 
     def broadcast_object(self, obj):

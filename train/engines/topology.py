@@ -15,7 +15,7 @@ import torch
 from models.batchnorm import convert_batchnorm
 from train.engines.network import collective_timeout, interface_address
 from train.engines.watchdog import Watchdog
-from train.errors import UsageError, agreed_error
+from train.errors import UsageError, raised_everywhere
 
 
 def torus_grid(world_size: int, rows: int) -> tuple[list[tuple[int, ...]], list[tuple[int, ...]]]:
@@ -143,6 +143,6 @@ class Topology:
         tensors = [t.detach() for t in model.state_dict().values()]
         mine = torch.stack([torch.stack([t.double().sum(), t.double().square().sum()]) for t in tensors]).cpu()
         if self.any(not torch.equal(mine, self.broadcast_object(mine))):
-            raise agreed_error(UsageError(
+            raise raised_everywhere(UsageError(
                 "--init-from-seed: the ranks built different initial models from --seed (another torch "
                 "version or code on some rank?); drop --init-from-seed to start from rank 0's model"))

@@ -187,9 +187,9 @@ class TorchDistributed(Topology):
         return tensor
 
     def any(self, flag: bool) -> bool:
-        return self.agree([int(flag)])[0] > 0
+        return self.max_over_ranks([int(flag)])[0] > 0
 
-    def agree(self, values: list[int]) -> list[int]:
+    def max_over_ranks(self, values: list[int]) -> list[int]:
         t = torch.tensor(values, dtype=torch.int64)  # on the host, over gloo: no GPU sync
         with self._waiting("an agreement"):
             self.dist.all_reduce(t, op=self.dist.ReduceOp.MAX, group=self.control)
