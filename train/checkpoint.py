@@ -366,6 +366,15 @@ def peek(path: Path, what_to_do: str = "") -> dict:
     return {key: value for key, value in state.items() if not isinstance(value, dict)}
 
 
+def left_to_continue(run_dir: Path, written: bool) -> str:
+    """What a stopped run leaves to continue from, for its last line (`written`: --checkpoints)."""
+    off = "" if written else "this run writes no checkpoint (--no-checkpoints); "
+    try:
+        return f"{off}the last good checkpoint (step {peek(run_dir / 'checkpoint.pt')['step']}) is kept in {run_dir}"
+    except (OSError, UsageError):  # none yet (or none readable): the run starts again from step 0
+        return f"{off}no checkpoint was written yet in {run_dir}"
+
+
 def evaluated_weights(state: dict) -> dict:
     """The weights a checkpoint's run evaluated: the average of the weights under "ema" when the run
     kept one (--ema-decay), else the trained weights under "model"."""

@@ -19,7 +19,6 @@ from horovod.common.elastic import State
 from train import runlock
 from train.errors import UsageError, raised_everywhere
 from train.host_memory import host_copy, replace_tensors
-from train.runlog import RunLog
 
 
 class TrainingState(State):
@@ -47,7 +46,7 @@ class TrainingState(State):
         training, engine = self.training, self.training.engine
         steps = engine.hvd.allgather_object(training.state.step)
         root = steps.index(max(steps))
-        engine._broadcast_tensors(engine.unwrap(training.model).state_dict(), root=root)
+        engine.broadcast_tensors(engine.unwrap(training.model).state_dict(), root=root)
         rest = training.state_dict(training.ledger.saved)
         rest.pop("model")
         # in host memory: a pickled GPU tensor would be unpickled onto the root's device on every worker
@@ -76,18 +75,15 @@ def rejoin(training) -> None:
     try:
         setup.reshare()
     except UsageError as err:  # (every worker decides alike)
-        raise raised_everywhere(UsageError(f"with {engine.world_size} workers now: {err}, or global batches that every "
-                                      "count from --min-np to --max-np divides"))
-    training.cfg, training.loader, training.loader_batch = setup.cfg, setup.loader, setup.cfg.batch_size
-    training.loader_size = setup.cfg.image_size  # (the new loader's crops: the epoch sets its own again)
+        raise raised_everywhere(UsageError(f"with {engine.world_size} workers now: {err}, or global batches that "
+                                           "every count from --min-np to --max-np divides"))
+    training.take_new_share()
     if engine.rank != old_rank and (engine.rank == 0 or old_rank == 0):
         # the run directory's lock goes with rank 0: the job keeps it across the change (train/runlock.py)
         if setup.lock:
             setup.lock.hand_over()
         setup.lock = runlock.RunLock.acquire(training.out_dir, elastic=True) if engine.rank == 0 else None
-        training.log.close()
-        training.log = RunLog(training.out_dir if engine.rank == 0 else None, setup.cfg, training.eval_plan)
-        training.log.take_over(training.state.step)
+        training.reopen_log()
     global_batch = training.schedule.global_batch(training.state.epoch)
     training.log.workers(training.state.step, engine.world_size, global_batch // engine.world_size)
 

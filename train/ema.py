@@ -34,6 +34,11 @@ class WeightAverage:
         self.counters = [(averaged[name], trained[name]) for name in averaged if name not in floats]
         self.restart()
 
+    @classmethod
+    def of(cls, cfg, model: torch.nn.Module, num_classes: int) -> "WeightAverage":
+        """The average --ema-decay asks for, of the run's model (cfg: the run's settings)."""
+        return cls(model, cfg.ema_decay, cfg.arch, num_classes, cfg.channels_last, cfg.blurpool)
+
     @torch.no_grad()
     def restart(self) -> None:
         """The average set to the trained weights themselves (the start of a run)."""
@@ -52,5 +57,9 @@ class WeightAverage:
     def state_dict(self) -> dict:
         return self.model.state_dict()
 
-    def load_state_dict(self, weights: dict) -> None:
-        self.model.load_state_dict(weights)
+    def load_state_dict(self, weights: dict | None) -> None:
+        """A checkpoint's average; None (a checkpoint of a run without one): the weights themselves."""
+        if weights is None:
+            self.restart()
+        else:
+            self.model.load_state_dict(weights)

@@ -21,7 +21,7 @@ from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.config import PREEMPTED_MARKER, Config, to_dict
-from train.errors import Diverged, Preempted, RunAborted, UsageError, raised_everywhere
+from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
 from train.ema import WeightAverage
 from train.evaluate import evaluate, replicas_differing
 from train.host_memory import host_copy, reserve
@@ -118,8 +118,7 @@ class Training:
             model.compile(mode=cfg.compile_mode)
         self.model, self.optimizer = engine.wrap(model, optimizer)
         # --ema-decay: the average of the weights, the model evaluated and exported (from the broadcast weights on)
-        self.ema = WeightAverage(engine.unwrap(self.model), cfg.ema_decay, cfg.arch, loader.num_classes,
-                                 cfg.channels_last, cfg.blurpool) if cfg.ema_decay else None
+        self.ema = WeightAverage.of(cfg, engine.unwrap(self.model), loader.num_classes) if cfg.ema_decay else None
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
             self._resume()
         self.lr = self.schedule.lr(max(self.state.step, 1))
@@ -154,10 +153,8 @@ class Training:
     def load_state_dict(self, saved: dict, weights: bool = True) -> None:
         if weights:
             self.engine.unwrap(self.model).load_state_dict(saved["model"])
-        if self.ema and "ema" in saved:
-            self.ema.load_state_dict(saved["ema"])
-        elif self.ema:  # (a run that turns the average on at a resume starts it from the weights)
-            self.ema.restart()
+        if self.ema:  # (a run that turns the average on at a resume has none saved: it starts from the weights)
+            self.ema.load_state_dict(saved.get("ema"))
         self.optimizer.load_state_dict(saved["optimizer"])
         self.precision.load_state_dict(saved["precision"])
         s = self.state
@@ -380,18 +377,12 @@ class Training:
             self._keep_copies(written)
 
     def _keep_copies(self, saved: dict) -> None:
-        """--keep-checkpoints: the finished checkpoint.pt (whose entries are `saved`) kept as the epoch's
-        and the best one's copy."""
+        """--keep-checkpoints: the finished checkpoint.pt (entries `saved`) kept as the epoch's and the best's."""
         if self.cfg.keep_checkpoints:
             self.writer.keep_copies(self.out_dir, saved, self.cfg.keep_checkpoints)
 
     def _kept(self) -> str:
-        """What a stopped run leaves to continue from, for its last line."""
-        off = "" if self.cfg.checkpoints else "this run writes no checkpoint (--no-checkpoints); "
-        try:
-            return f"{off}the last good checkpoint (step {checkpoint.peek(self.out_dir / 'checkpoint.pt')['step']}) is kept in {self.out_dir}"
-        except (OSError, UsageError):  # none yet (or none readable): the run starts again from step 0
-            return f"{off}no checkpoint was written yet in {self.out_dir}"
+        return checkpoint.left_to_continue(self.out_dir, self.cfg.checkpoints)
 
     def _preempt(self) -> None:
         self.save(wait=True)
@@ -405,6 +396,17 @@ class Training:
                   f"{self.restart_flags} again to continue", file=sys.stderr, flush=True)
         self.engine.barrier()  # nobody exits (and gets the job torn down) before the checkpoint is on disk
         raise Preempted(f"preempted at step {step}")
+
+    # Horovod Elastic (train/elastic.py) ----------------------------------------------------------
+    def take_new_share(self) -> None:
+        """Setup.reshare()'s settings and loader for the new rank count (the epoch sets batch and crops)."""
+        self.cfg, self.loader = self.setup.cfg, self.setup.loader
+        self.loader_batch, self.loader_size = self.cfg.batch_size, self.cfg.image_size
+
+    def reopen_log(self) -> None:  # (rank 0 moved: the run log is written by whoever is rank 0 now)
+        self.log.close()
+        self.log = RunLog(self.out_dir if self.engine.rank == 0 else None, self.cfg, self.eval_plan)
+        self.log.take_over(self.state.step)
 
     def check_replicas(self) -> None:
         if self.engine.world_size > 1:  # every rank must end with the model that was saved

@@ -95,7 +95,7 @@ class Horovod(Topology):
             if self.cfg.init_from_seed:
                 self._check_same_model(model)  # instead of broadcasting rank 0's model
             else:
-                self._broadcast_tensors(model.state_dict())
+                self.broadcast_tensors(model.state_dict())
             # as an object: hvd.broadcast_optimizer_state would take a zero-gradient step, and LARS's
             # weight decay would then move the weights
             optimizer.load_state_dict(hvd.broadcast_object(optimizer.state_dict(), root_rank=0))
@@ -127,7 +127,7 @@ class Horovod(Topology):
     def unwrap(self, model):
         return model
 
-    def _broadcast_tensors(self, tensors: dict, root: int = 0) -> None:
+    def broadcast_tensors(self, tensors: dict, root: int = 0) -> None:
         """Rank `root`'s values into every rank's tensors; Horovod wants contiguous buffers (not channels_last)."""
         pending = []
         for name, t in tensors.items():
