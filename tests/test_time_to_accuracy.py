@@ -151,7 +151,7 @@ def test_the_plan_of_a_resolution_schedule_runs_each_size_at_its_pixels_cost(cap
 
 
 def test_the_flops_of_a_resized_run_count_each_epoch_at_its_crop_size():
-    from models import eval_flops_per_image, train_flops_per_image
+    from models.flops import eval_flops_per_image, train_flops_per_image
     from train.score.flops import run_flop
     config = {"arch": "resnet18", "image_size": 32, "resolution_schedule": "16:32:0:1:16", "eval_image_size": 40,
               "num_classes": 10}
