@@ -13,7 +13,6 @@ from pathlib import Path
 
 import yaml
 
-from models.memory import fitting_batch, parameter_count  # (facts of the model: models/memory.py)
 from train.config import Config
 from train.errors import UsageError
 from train.plan import comm, compute
@@ -90,8 +89,15 @@ def nodes_of(gpus: int, gpus_per_node: int) -> int:
     return max(1, gpus // gpus_per_node)
 
 
+def parameter_count(arch: str) -> int:
+    from models.memory import parameter_count as counted  # (models/ loads torch: not for --help)
+    return counted(arch)
+
+
 def max_per_gpu_batch(spec: Gpu, params: int, image_size: int) -> int:
-    """The largest per-GPU batch whose step fits in the GPU's memory (activations scale with pixels)."""
+    """The largest per-GPU batch whose step fits in the GPU's memory (activations scale with pixels):
+    the model's own memory model, models/memory.py."""
+    from models.memory import fitting_batch
     return fitting_batch(spec.memory_bytes, params, image_size)
 
 
