@@ -3,7 +3,8 @@
 After every optimizer step each averaged tensor moves towards the trained one,
 `average += (1 - decay) * (weight - average)`, as one foreach pass on the device (no host read).
 Parameters and BatchNorm's running statistics are averaged alike (the statistics belong to the
-weights they were gathered under); the batch counter is copied. The average lives in a plain model of
+weights they were gathered under); the batch counters are copied when the average is read
+(evaluated or saved), not at every step. The average lives in a plain model of
 the same architecture, never wrapped by the engine: it is only evaluated, so every rank keeps its own
 copy (the same on every rank, since the weights are), and evaluating it issues no collective.
 
@@ -48,14 +49,19 @@ class WeightAverage:
     @torch.no_grad()
     def update(self) -> None:
         torch._foreach_lerp_(self.averaged, self.trained, 1.0 - self.decay)
-        self.copy_counters()
 
+    @torch.no_grad()
     def copy_counters(self) -> None:
         for averaged, trained in self.counters:
             averaged.copy_(trained)
 
+    def evaluated(self) -> torch.nn.Module:
+        """The average as a model to evaluate (its batch counters brought up to date)."""
+        self.copy_counters()
+        return self.model
+
     def state_dict(self) -> dict:
-        return self.model.state_dict()
+        return self.evaluated().state_dict()
 
     def load_state_dict(self, weights: dict | None) -> None:
         """A checkpoint's average; None (a checkpoint of a run without one): the weights themselves."""

@@ -123,7 +123,6 @@ class Training:
             self._resume()
         self.lr = self.schedule.lr(max(self.state.step, 1))
         self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
-        self.loader_size = cfg.image_size  # and its training crop size
 
     def _resume(self) -> None:
         path, fallback = checkpoint.to_resume(self.out_dir)  # (checkpoint.pt, or the newest intact kept copy)
@@ -250,9 +249,8 @@ class Training:
         its steps per epoch) follows. A change is logged."""
         s = self.state
         size = self.schedule.image_size(s.epoch)
-        if size != self.loader_size:
+        if size != self.loader.train_size:
             self.loader.set_image_size(size)
-            self.loader_size = size
             self.log.print(f"epoch {s.epoch + 1}: training crops of {size} px")
         global_batch = self.schedule.global_batch(s.epoch)
         per_rank = global_batch // self.engine.world_size
@@ -299,7 +297,7 @@ class Training:
         if self.epoch_meter.steps:  # (none when a run resumes right after an epoch's last step)
             figures = dict(step=s.step, epoch=s.epoch + s.step_in_epoch / steps_per_epoch,
                            images=self.clock.images(s.step), epoch_seconds=round(seconds, 3),
-                           img_per_s=round(self._images_of(self.epoch_meter) / seconds, 2), image_size=self.loader_size,
+                           img_per_s=round(self._images_of(self.epoch_meter) / seconds, 2), image_size=self.loader.train_size,
                            loss=mean_loss, lr=self.lr, skipped_images=skipped, samples=samples)
         self.log.epoch_end(number, finished, figures)
         last = s.epoch >= cfg.epochs
@@ -311,9 +309,9 @@ class Training:
             self.commit()
 
     def evaluate(self, epoch: int) -> None:
-        evaluated = self.ema.model if self.ema else self.model  # (--ema-decay: the average)
+        evaluated = self.ema.evaluated() if self.ema else self.model  # (--ema-decay: the average)
         if self.cfg.bn_recompute_batches:  # BN without moving averages: the last K batches' statistics
-            bare = self.ema.model if self.ema else self.engine.unwrap(self.model)
+            bare = evaluated if self.ema else self.engine.unwrap(self.model)
             if not recompute_bn_statistics(bare, self.recent.batches, self.engine, self.precision):
                 self.log.warning("no training batch since the resume to recompute BatchNorm statistics from; "
                                  "evaluating with the checkpoint's")
@@ -401,7 +399,7 @@ class Training:
     def take_new_share(self) -> None:
         """Setup.reshare()'s settings and loader for the new rank count (the epoch sets batch and crops)."""
         self.cfg, self.loader = self.setup.cfg, self.setup.loader
-        self.loader_batch, self.loader_size = self.cfg.batch_size, self.cfg.image_size
+        self.loader_batch = self.cfg.batch_size
 
     def reopen_log(self) -> None:  # (rank 0 moved: the run log is written by whoever is rank 0 now)
         self.log.close()

@@ -192,7 +192,7 @@ def pixel_share(image_size: int) -> float:
 def compute_seconds(setup: Setup, per_gpu_batch: int, image_size: int) -> float:
     """A training step's compute at `image_size`: the fit's fixed cost, and its cost per image scaled
     by the pixels."""
-    return setup.fit.fixed_s + per_gpu_batch * setup.fit.per_image_s * pixel_share(image_size)
+    return setup.fit.seconds(per_gpu_batch * pixel_share(image_size))  # (in 224 px images' worth of work)
 
 
 def step_terms(setup: Setup, gpus: int, per_gpu_batch: int, image_size: int = 224) -> dict:
