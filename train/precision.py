@@ -38,6 +38,20 @@ def resolve(name: str, device: torch.device) -> str:
     return "bf16" if capability(device) >= BF16_CAPABILITY else "fp16"
 
 
+# torch's CPU bf16 convolution (oneDNN) leaves the weight gradient of a stride-2 convolution over a
+# 1x1 input partly unwritten: whatever the memory held, NaN at times (docs/precision.md). A ResNet's
+# layer4 sees 1x1 inputs at crops of 16 px and below.
+CPU_BF16_SMALLEST_CROP = 17
+
+
+def check_crop(name: str, device: torch.device, smallest_crop: int) -> None:
+    """Refuse bf16 on a CPU where the training crops would meet the broken convolution gradient."""
+    if resolve(name, device) == "bf16" and device.type != "cuda" and smallest_crop < CPU_BF16_SMALLEST_CROP:
+        raise UsageError(f"bf16 on a CPU cannot train {smallest_crop} px crops: torch's CPU bf16 convolution "
+                         "gives garbage weight gradients for a stride-2 convolution over a 1x1 input (ResNet's "
+                         "layer4 at 16 px and below); train at 24 px or more, or use --precision fp32")
+
+
 def explain(name: str, device: torch.device) -> tuple[str, str]:
     """(where the run's precision comes from, for the header; a warning line or ""): the GPU, its
     compute capability and the rule, or the CPU."""

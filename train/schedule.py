@@ -158,6 +158,12 @@ def largest_image_size(cfg) -> int:
     return max(ramp.start, ramp.end) if ramp else cfg.image_size
 
 
+def smallest_image_size(cfg) -> int:
+    """The smallest training crop of a run (the ramp clamps its steps between START and END)."""
+    ramp = resolution_ramp(cfg.resolution_schedule)
+    return min(ramp.start, ramp.end) if ramp else cfg.image_size
+
+
 class SgdShareRamp:
     """The momentum-SGD share of a blended update (--optimizer rmsprop-warmup) against epochs done:
     0 before center - width/2, 1 after center + width/2, a half-cosine between. Akiba et al. describe

@@ -22,9 +22,9 @@ from train.config import Config, to_dict
 from train.device_choices import choose_loader, default_batch
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
-from train.precision import Precision
+from train.precision import Precision, check_crop
 from train.rules import DEFAULT_PER_RANK_BATCH, batch_sizes, lr_and_warmup
-from train.schedule import EpochClock, batch_phases, largest_image_size
+from train.schedule import EpochClock, batch_phases, largest_image_size, smallest_image_size
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
@@ -180,6 +180,7 @@ def checked_setup(cfg: Config, engine):
     header's notes, --init-from's weights and line or None, warning lines). What the flags leave open
     the device decides (train/device_choices.py): the precision, the loader and the per-GPU batch."""
     precision = Precision(cfg.precision, engine.device)
+    check_crop(precision.name, engine.device, smallest_image_size(cfg))
     loader_name, loader_warning = choose_loader(cfg.loader, cfg.dali_decode, engine.device)
     cfg = dataclasses.replace(cfg, loader=loader_name)  # (recorded in config.yaml as chosen)
     if cfg.restarted and cfg.global_batch_size % engine.world_size:
