@@ -49,7 +49,7 @@ def test_the_sync_check_passes_a_clean_step_and_names_a_read_in_it(tmp_path, syn
 @pytest.mark.slow(seconds=30)
 def test_the_table_and_json_of_a_small_run(tmp_path):
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "gpu_figures.py"), "--out", tmp_path, "--arch",
-                           "resnet18", "--image-size", "16", "--steps", "8", "--batch-size", "4",
+                           "resnet18", "--image-size", "24", "--steps", "8", "--batch-size", "4",
                            "--skip", "compile,ghost-bn,dali"], capture_output=True, text=True, timeout=600,
                           env=child_env(), cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
