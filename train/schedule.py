@@ -152,16 +152,15 @@ def resolution_ramp(text: str) -> ResolutionRamp | None:
     return ResolutionRamp(start, end, first, last, step)
 
 
+def training_crops(image_size: int, resolution_schedule: str) -> tuple[int, int]:
+    """The smallest and the largest training crop of a run (the ramp's steps stay between its ends)."""
+    ramp = resolution_ramp(resolution_schedule)
+    return (min(ramp.start, ramp.end), max(ramp.start, ramp.end)) if ramp else (image_size, image_size)
+
+
 def largest_image_size(cfg) -> int:
     """The largest training crop of a run (what its per-GPU batch must fit)."""
-    ramp = resolution_ramp(cfg.resolution_schedule)
-    return max(ramp.start, ramp.end) if ramp else cfg.image_size
-
-
-def smallest_image_size(cfg) -> int:
-    """The smallest training crop of a run (the ramp clamps its steps between START and END)."""
-    ramp = resolution_ramp(cfg.resolution_schedule)
-    return min(ramp.start, ramp.end) if ramp else cfg.image_size
+    return training_crops(cfg.image_size, cfg.resolution_schedule)[1]
 
 
 class SgdShareRamp:

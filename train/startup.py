@@ -24,7 +24,7 @@ from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision, check_crop
 from train.rules import DEFAULT_PER_RANK_BATCH, batch_sizes, lr_and_warmup
-from train.schedule import EpochClock, batch_phases, largest_image_size, smallest_image_size
+from train.schedule import EpochClock, batch_phases, training_crops
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
@@ -179,15 +179,16 @@ def checked_setup(cfg: Config, engine):
     """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, the
     header's notes, --init-from's weights and line or None, warning lines). What the flags leave open
     the device decides (train/device_choices.py): the precision, the loader and the per-GPU batch."""
+    smallest_crop, largest_crop = training_crops(cfg.image_size, cfg.resolution_schedule)
     precision = Precision(cfg.precision, engine.device)
-    check_crop(precision.name, engine.device, smallest_image_size(cfg))
+    check_crop(precision.name, engine.device, smallest_crop)
     loader_name, loader_warning = choose_loader(cfg.loader, cfg.dali_decode, engine.device)
     cfg = dataclasses.replace(cfg, loader=loader_name)  # (recorded in config.yaml as chosen)
     if cfg.restarted and cfg.global_batch_size % engine.world_size:
         raise UsageError(f"{cfg.out_dir} holds a run of global batch {cfg.global_batch_size}, which does not divide "
                          f"over {engine.world_size} ranks; continue it on a rank count that divides it")
     # (the per-GPU batch whose step fits at the run's largest training crop: --resolution-schedule's end)
-    default, batch_note = (default_batch(engine.device, precision.name, largest_image_size(cfg), cfg.arch)
+    default, batch_note = (default_batch(engine.device, precision.name, largest_crop, cfg.arch)
                            if not (cfg.batch_size or cfg.global_batch_size) else (DEFAULT_PER_RANK_BATCH, ""))
     batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size, default)
     cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
