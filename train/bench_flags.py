@@ -2,8 +2,8 @@
 one's flags in argument groups by task. Light: --help prints without loading torch."""
 import argparse
 
-from train import names
 from train.command import CommandParser
+from train.config import CHOICES
 
 BACKENDS = ("eager", "compile", "onnxruntime")
 
@@ -32,15 +32,15 @@ def _infer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", nargs="?", default="", metavar="CHECKPOINT_OR_RUN", help="a checkpoint file or a run "
                    "directory (default: an untrained --arch at --image-size)")
     model = p.add_argument_group("the model (without CHECKPOINT_OR_RUN)")
-    model.add_argument("--arch", default="resnet50", choices=names.ARCHS, metavar="NAME",
-                       help=f"the untrained model: one of {', '.join(names.ARCHS)} (default: resnet50)")
+    model.add_argument("--arch", default="resnet50", choices=CHOICES["arch"], metavar="NAME",
+                       help=f"the untrained model: one of {', '.join(CHOICES['arch'])} (default: resnet50)")
     model.add_argument("--image-size", type=_positive, default=224, metavar="N",
                        help="the untrained model's input size in pixels (default: 224)")
     model.add_argument("--num-classes", type=_positive, default=1000, metavar="N",
                        help="the untrained model's classes (default: 1000)")
     runs = p.add_argument_group("what is timed")
-    runs.add_argument("--precision", default="", choices=("", *names.PRECISIONS), metavar="NAME",
-                      help=f"one of {', '.join(names.PRECISIONS)} (default: the run's; auto for an untrained model: "
+    runs.add_argument("--precision", default="", choices=("", *CHOICES["precision"]), metavar="NAME",
+                      help=f"one of {', '.join(CHOICES['precision'])} (default: the run's; auto for an untrained model: "
                            "by the device, as a run chooses)")
     runs.add_argument("--batch-sizes", default="1,8,32,128,256", metavar="N,N,...",
                       help="batch sizes, comma-separated (default: 1,8,32,128,256)")

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import yaml
 
-from train import names
 from train.command import CommandParser
-from train.config import FIELDS, GROUPS, Config
+from train.config import CHOICES, FIELDS, GROUPS, Config
 from train.errors import UsageError
 
 
@@ -75,15 +74,12 @@ def resolve_preset(name: str) -> Path:
     return Path(str(resources.files("train.presets") / f"{name}.yaml"))
 
 
-COMPILE_MODES = names.COMPILE_MODES  # torch.compile's modes (--compile-mode NAME)
+COMPILE_MODES = CHOICES["compile_mode"]  # torch.compile's modes ("default": torch's own)
 
 
 def choices() -> dict[str, tuple]:
-    """The names each choice setting takes (train/names.py: those of the registries that serve them)."""
-    return {"loader": ("auto", *names.LOADERS), "dali_decode": names.DALI_DECODE, "arch": names.ARCHS,
-            "precision": names.PRECISIONS, "optimizer": names.OPTIMIZERS, "lr_schedule": names.SCHEDULES,
-            "engine": ("auto", *names.ENGINES), "allreduce": names.ALLREDUCE, "division": names.DIVISIONS,
-            "compile_mode": COMPILE_MODES}
+    """The names each choice setting takes (its field's choices: those of the registries that serve them)."""
+    return CHOICES
 
 
 USAGE = "python -m train [--preset NAME] [--data-dir PATH] [--out-dir PATH] [OPTIONS]"

@@ -17,7 +17,6 @@ import torch
 
 from train.errors import UsageError
 
-from train.names import PRECISIONS  # --precision NAME
 BF16_CAPABILITY = (8, 0)  # bf16 TensorCores from Ampere (sm 8.0) on
 
 

@@ -18,7 +18,7 @@ from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
 from models import build_model, first_misfit
 from train import checkpoint, engines, runlock
-from train.config import Config, to_dict
+from train.config import DEFINING, Config, to_dict
 from train.device_choices import choose_loader, default_batch
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
@@ -241,17 +241,6 @@ def check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str
         first = next(i for i, (a, b) in enumerate(zip(recorded, loader.class_names)) if a != b)
         raise UsageError(f"the classes of {data} are not the run's (class {first} is {loader.class_names[first]!r} "
                          f"there, {recorded[first]!r} in the run); check --data-dir")
-
-
-# What defines a run: the same command started again must give the same values (resolved: the LR and
-# warmup chosen from the global batch, the class count found in the data). Run-length, logging,
-# checkpoint and input-thread settings may change from one start to the next.
-DEFINING = ("arch", "zero_init_residual", "blurpool", "init_from", "loader", "data_dir", "synthetic_images", "synthetic_classes",
-            "num_classes", "image_size", "resolution_schedule", "ema_decay", "crop_min_scale", "crop_max_scale", "crop_min_aspect", "crop_max_aspect",
-            "augment_off_epoch", "global_batch_size", "batch_schedule", "optimizer", "lr_schedule", "lr",
-            "warmup_epochs", "end_lr", "lr_decay_power", "warmup_start_lr", "lr_decay_epochs", "lr_decay_factor",
-            "lr_phases", "momentum", "weight_decay", "nesterov", "lars_eta", "lars_epsilon", "label_smoothing",
-            "sgd_share_center", "sgd_share_width", "rmsprop_lr_ratio", "rmsprop_alpha", "rmsprop_epsilon", "seed")
 
 
 def check_same_run(cfg: Config) -> None:

@@ -4,7 +4,7 @@ never asks which engine it has.
 `none` is one process (single.py); `torch` is torch.distributed (torch_distributed.py: DDP; launched
 by torchrun, Slurm's srun, or mpirun with MASTER_ADDR); `horovod` is Horovod (horovod.py: horovodrun,
 or mpirun). `auto` picks one from the launcher's environment (launch.py). A new engine is one more
-module and one more entry in ENGINES. A new all-reduce algorithm is one more name in ALLREDUCE and a
+module and one more entry in ENGINES. A new all-reduce algorithm is one more name in --allreduce's choices (train/config.py) and a
 branch of each engine's wrap(); the two-level ones (hierarchical, torus) are routes over a grid of
 ranks (topology.py), run by one DDP hook and one Horovod optimizer wrapper (docs/allreduce.md).
 """
@@ -20,9 +20,7 @@ from train.engines.single import SingleProcess
 from train.engines.torch_distributed import TorchDistributed
 from train.errors import UsageError
 
-__all__ = ["ALLREDUCE", "ENGINES", "Engine", "Launch", "create", "detect_launch", "tell_refusal", "use_interface"]
-
-from train.names import ALLREDUCE  # --allreduce NAME
+__all__ = ["ENGINES", "Engine", "Launch", "create", "detect_launch", "tell_refusal", "use_interface"]
 
 
 @runtime_checkable
