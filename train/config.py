@@ -26,8 +26,10 @@ def setting(default, help: str, group: str, *, defines_run: bool = False, choice
     return field(default=default, metadata={**metadata, "metavar": metavar} if metavar else metadata)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
+    """The settings as the user gave them (flags over the saved run over the preset over the defaults):
+    0, -1 and "auto" still say "choose for me"."""
     # data
     data_dir: str = setting("", "ImageNet-layout tree (train/<class>/, val/<class>/) or a folder of tar shards (scripts/make_shards.py) (default: the embedded dataset)", DATA, defines_run=True, metavar="PATH")
     loader: str = setting("auto", "input pipeline; auto: DALI decoding on the GPU where there is a GPU and DALI's CUDA build, else torch (docs/gpu.md)", DATA, defines_run=True, choices=("auto", "torch", "dali", "synthetic"))
@@ -122,6 +124,15 @@ class Config:
     submission_org: str = setting("reference-trainer", "organisation named in the MLPerf log (submission_org)", LOGGING)
     submission_platform: str = setting("", "platform named in the MLPerf log (default: <ranks>x<device name>)", LOGGING)
     preset: str = setting("", "YAML preset name in train/presets or a path (default: smoke without --data-dir)", PRESETS)
+
+
+@dataclass(frozen=True)
+class Run(Config):
+    """The settings a run goes by: the Config as typed with what start-up chose for the device, the
+    rank count and the data filled in (the loader, the per-rank and global batch, the peak LR and
+    warmup, the class count, no evaluation without validation images, the run directory). Made once,
+    by train/startup.py (resolved()); whatever holds a Run holds resolved settings, written to config.yaml as
+    they are."""
 
 
 FIELDS = {f.name: f for f in fields(Config) if not f.metadata.get("internal")}

@@ -8,7 +8,6 @@ optimizer step), `image_size` (its training crop size), `augment`, and for a ble
 epoch's first step). The settings pass the checks a run's start-up makes of them; those of the
 machine (device, rank count against --bn-span, the run directory) are left to the run.
 """
-import dataclasses
 import json
 from pathlib import Path
 
@@ -20,7 +19,7 @@ from train.errors import UsageError
 from train.engines import detect_launch
 from train.rules import batch_sizes, lr_and_warmup
 from train.schedule import EpochClock, batch_phases, build_schedule
-from train.startup import check_batch_phases
+from train.startup import check_batch_phases, resolved
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 EMBEDDED_TRAIN_IMAGES = embedded.TRAIN_PER_CLASS * len(embedded.CLASSES)  # the run's default data, not generated here
@@ -43,9 +42,9 @@ def training_set(cfg: Config) -> tuple[int, str]:
 def recipe(cfg: Config) -> dict:
     world_size = detect_launch().world_size
     batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, world_size)
-    cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
     lr, warmup, _ = lr_and_warmup(cfg, global_batch)
-    cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup, show_recipe=False)
+    cfg = resolved(cfg, batch_size=batch_size, global_batch_size=global_batch, lr=lr, warmup_epochs=warmup,
+                   show_recipe=False)
     train_images, source = training_set(cfg)
     check_batch_phases(cfg, world_size, train_images)
     try:

@@ -18,7 +18,7 @@ from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
 from models import build_model, first_misfit
 from train import checkpoint, engines, runlock
-from train.config import DEFINING, Config, to_dict
+from train.config import DEFINING, Config, Run, to_dict
 from train.device_choices import choose_loader, default_batch
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
@@ -33,7 +33,7 @@ RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 class Setup:
     """What start-up resolved, alike on every rank: the loop reads it and never calls back here.
     `reshare` is the part that depends on the rank count, made again when Horovod Elastic changes it."""
-    cfg: Config  # after presets, rules and the rank count: batches, LR, warmup, classes, out_dir
+    cfg: Run  # the settings resolved for the device, the rank count and the data
     engine: "engines.Engine"
     precision: Precision
     loader: object  # this rank's share of the data (data.Loader)
@@ -53,7 +53,7 @@ class Setup:
         share. A refusal leaves the old share in place."""
         world_size = self.engine.world_size
         check_batch_phases(self.cfg, world_size, self.loader.train_images)
-        self.cfg = dataclasses.replace(self.cfg, batch_size=self.cfg.global_batch_size // world_size)
+        self.cfg = dataclasses.replace(self.cfg, batch_size=self.cfg.global_batch_size // world_size)  # (resolved again)
         self.loader.close()  # its reader threads or processes, before the new loader starts its own
         self.loader = _build_loader(self.cfg, self.engine, self.precision, self.data_dir)
 
@@ -63,17 +63,19 @@ def prepare(cfg: Config) -> Setup:
     directory (rank 0 makes it and takes its lock)."""
     started_ms = int(time.time() * 1000)
     engine = create_engine(cfg)
-    cfg, loader, precision, data_dir, notes, init, warnings = on_every_rank(engine, lambda: checked_setup(cfg, engine))
-    loader, relisted = same_sample_lists(engine, cfg, precision, data_dir, loader)
-    out_dir, lock = on_every_rank(engine, lambda: make_out_dir(cfg, engine))
-    return Setup(cfg=dataclasses.replace(cfg, out_dir=str(out_dir)), engine=engine, precision=precision,
+    # one name, whatever each rank's clock says (Horovod Elastic has no collective for it: make_out_dir refuses)
+    out_dir = cfg.out_dir or ("" if engine.elastic else engine.broadcast_object(_default_out_dir(cfg)))
+    run, loader, precision, data_dir, notes, init, warnings = on_every_rank(engine, lambda: checked_setup(cfg, engine, out_dir))
+    loader, relisted = same_sample_lists(engine, run, precision, data_dir, loader)
+    out_dir, lock = on_every_rank(engine, lambda: make_out_dir(run, engine))
+    return Setup(cfg=run, engine=engine, precision=precision,
                  loader=loader, data_dir=data_dir, notes=notes, out_dir=out_dir, lock=lock,
-                 ghost=ghost_group(cfg, engine.world_size), init=init,
+                 ghost=ghost_group(run, engine.world_size), init=init,
                  restart_flags="" if cfg.out_dir else f" with --out-dir {out_dir}", started_ms=started_ms,
                  warnings=warnings + ([relisted] if relisted else []))
 
 
-def same_sample_lists(engine, cfg: Config, precision: Precision, data_dir: str, loader) -> tuple:
+def same_sample_lists(engine, cfg: Run, precision: Precision, data_dir: str, loader) -> tuple:
     """(loader, warning or ""): every rank trains on the same sample list. Each rank reads its list
     from an index (data/index.py), and a node's own cache may hold one that passes the index's check
     but lists other files; so the ranks compare digests of their lists, and when any differs from rank
@@ -175,15 +177,14 @@ def on_every_rank(engine, step):
     return value
 
 
-def checked_setup(cfg: Config, engine):
-    """The resolved settings and the parts that check the input: (cfg, loader, precision, data dir, the
-    header's notes, --init-from's weights and line or None, warning lines). What the flags leave open
-    the device decides (train/device_choices.py): the precision, the loader and the per-GPU batch."""
+def checked_setup(cfg: Config, engine, out_dir: str):
+    """The settings resolved and the parts that check the input: (the Run, loader, precision, data dir,
+    the header's notes, --init-from's weights and line or None, warning lines). What the flags leave
+    open the device decides (train/device_choices.py): the precision, the loader and the per-GPU batch."""
     smallest_crop, largest_crop = training_crops(cfg.image_size, cfg.resolution_schedule)
     precision = Precision(cfg.precision, engine.device)
     check_crop(precision.name, engine.device, smallest_crop)
     loader_name, loader_warning = choose_loader(cfg.loader, cfg.dali_decode, engine.device)
-    cfg = dataclasses.replace(cfg, loader=loader_name)  # (recorded in config.yaml as chosen)
     if cfg.restarted and cfg.global_batch_size % engine.world_size:
         raise UsageError(f"{cfg.out_dir} holds a run of global batch {cfg.global_batch_size}, which does not divide "
                          f"over {engine.world_size} ranks; continue it on a rank count that divides it")
@@ -191,35 +192,39 @@ def checked_setup(cfg: Config, engine):
     default, batch_note = (default_batch(engine.device, precision.name, largest_crop, cfg.arch)
                            if not (cfg.batch_size or cfg.global_batch_size) else (DEFAULT_PER_RANK_BATCH, ""))
     batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size, default)
-    cfg = dataclasses.replace(cfg, batch_size=batch_size, global_batch_size=global_batch)
     lr, warmup, note = lr_and_warmup(cfg, global_batch)
-    cfg = dataclasses.replace(cfg, lr=lr, warmup_epochs=warmup)
     check_bn_span(cfg.bn_span, engine.world_size)
     data_dir = resolve_data_dir(cfg)
-    loader = _build_loader(cfg, engine, precision, data_dir)
+    loader = build_loader(loader_name, LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch_size, precision=precision.name),
+                          engine.rank, engine.world_size, engine.device)
     if cfg.num_classes and cfg.num_classes != loader.num_classes:  # a resumed run's model has the recorded count
         raise UsageError(f"{data_dir or 'the synthetic data'} has {loader.num_classes} classes, the run "
                          f"{cfg.num_classes}; check --data-dir (or --num-classes)")
-    cfg = dataclasses.replace(cfg, num_classes=loader.num_classes)  # recorded in config.yaml
-    if not loader.val_images:  # (--synthetic-val-images 0) nothing to evaluate: no evaluation at all
-        cfg = dataclasses.replace(cfg, eval_every=0)
-    check_batch_phases(cfg, engine.world_size, loader.train_images)
-    init = init_weights(cfg) if cfg.init_from and not cfg.resume else None  # loaded into the model by the loop
-    # read-only checks of the run directory: rank 0's verdict reaches the others through on_every_rank(); under
-    # Horovod Elastic (no collective there) every rank reads the same files and decides alike
-    if engine.rank == 0 or engine.elastic:
-        if cfg.out_dir and Path(cfg.out_dir).is_dir():  # another job running in it: refused before anything else
-            runlock.check(Path(cfg.out_dir), elastic=engine.elastic)
-        if cfg.restarted:
-            check_same_run(cfg)
-        _check_out_dir(cfg)
-        if cfg.resume:
-            _check_resume_position(cfg, loader)
+    run = resolved(cfg, loader=loader_name, batch_size=batch_size, global_batch_size=global_batch, lr=lr,
+                   warmup_epochs=warmup, num_classes=loader.num_classes, out_dir=out_dir,
+                   eval_every=cfg.eval_every if loader.val_images else 0)  # (--synthetic-val-images 0: nothing to evaluate)
+    check_batch_phases(run, engine.world_size, loader.train_images)
+    init = init_weights(run) if run.init_from and not run.resume else None  # loaded into the model by the loop
+    # read-only checks of the run directory the user named: rank 0's verdict reaches the others through
+    # on_every_rank(); under Horovod Elastic (no collective there) every rank reads the same files and decides alike
+    if cfg.out_dir and (engine.rank == 0 or engine.elastic):
+        if Path(run.out_dir).is_dir():  # another job running in it: refused before anything else
+            runlock.check(Path(run.out_dir), elastic=engine.elastic)
+        if run.restarted:
+            check_same_run(run)
+        _check_out_dir(run)
+        if run.resume:
+            _check_resume_position(run, loader)
     warnings = [line for line in (precision.warning, loader_warning) if line]
-    return cfg, loader, precision, data_dir, {"lr": note, "batch": batch_note}, init, warnings
+    return run, loader, precision, data_dir, {"lr": note, "batch": batch_note}, init, warnings
 
 
-def _build_loader(cfg: Config, engine, precision: Precision, data_dir: str, relist: bool = False):
+def resolved(cfg: Config, **chosen) -> Run:
+    """The Config as typed with the values start-up chose."""
+    return Run(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, **chosen})
+
+
+def _build_loader(cfg: Run, engine, precision: Precision, data_dir: str, relist: bool = False):
     return build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name, relist=relist),
                         engine.rank, engine.world_size, engine.device)
 
@@ -373,13 +378,13 @@ def _nothing_left(cfg: Config, saved: dict) -> str:
     return ""
 
 
-def make_out_dir(cfg: Config, engine) -> tuple[Path, "runlock.RunLock | None"]:
+def make_out_dir(cfg: Run, engine) -> tuple[Path, "runlock.RunLock | None"]:
     """Rank 0 creates the run directory, takes its lock (train/runlock.py) and writes config.yaml; every
     rank learns the name. A failure leaves nothing behind: the folders made for it are removed again,
     and a job refused by the lock writes nothing at all."""
     if engine.elastic and not cfg.out_dir:  # (no collective to agree on a time-stamped name; see on_every_rank())
         raise UsageError("Horovod Elastic needs --out-dir: a worker that joins later must find the run's directory")
-    out_dir = Path(cfg.out_dir or engine.broadcast_object(_default_out_dir(cfg)))  # one name, whatever each rank's clock says
+    out_dir = Path(cfg.out_dir)
     if engine.rank != 0:
         return out_dir, None
     first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
@@ -398,7 +403,7 @@ def make_out_dir(cfg: Config, engine) -> tuple[Path, "runlock.RunLock | None"]:
                 if (out_dir / name).exists():
                     os.replace(out_dir / name, out_dir / f"{name}.lost")
         # whole or not at all (another rank, or a worker joining later, may read it at any moment)
-        written.write_text(yaml.safe_dump(to_dict(dataclasses.replace(cfg, out_dir=str(out_dir))), sort_keys=False))
+        written.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
         os.replace(written, out_dir / "config.yaml")
     except OSError as err:
         with contextlib.suppress(OSError):
