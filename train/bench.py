@@ -49,9 +49,17 @@ class StepTimer:
         self.ranks: list | None = None
         self._got = self._images = 0
 
-    def attach(self, engine) -> "StepTimer":
-        self.engine = engine
-        return self
+    def attach(self, training) -> None:
+        """Wraps a Training's loader batches (each one's wait timed) and its step (the compute timed)."""
+        self.engine, loader, step = training.engine, training.loader, training.train_step
+        train_batches = loader.train_batches
+        loader.train_batches = lambda *args: self.timed(train_batches(*args))
+
+        def timed_step(images, labels):
+            loss = step(images, labels)
+            self.step_end(training.state.step)
+            return loss
+        training.train_step = timed_step
 
     def _sync(self) -> None:
         if self.engine.device.type == "cuda":

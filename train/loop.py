@@ -10,7 +10,6 @@ the device between logging points; the only host syncs are at log points, epoch 
 import dataclasses
 import gc
 import logging
-import sys
 import time
 from pathlib import Path
 
@@ -20,14 +19,15 @@ from mlperf_logging.mllog import constants as K
 from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
-from train.config import PREEMPTED_MARKER, Config, to_dict
-from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
+from train.config import Config
+from train.errors import Diverged, RunAborted, raised_everywhere
 from train.ema import WeightAverage
 from train.evaluate import evaluate, replicas_differing
-from train.host_memory import host_copy, reserve
+from train.host_memory import reserve
 from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
 from train.runlog import RunLog, count, progress, run_header
+from train.saving import Checkpointing
 from train.schedule import EpochClock, EvalPlan, build_schedule
 from train.startup import Setup, prepare
 from train.stopping import FlagChecks, StopSignal
@@ -79,8 +79,9 @@ class RunState:
     stop: bool = False
 
 
-class Training:
-    """A run's parts (engine, loader, model, optimizer, precision, schedule, log) and its state."""
+class Training(Checkpointing):
+    """A run's parts (engine, loader, model, optimizer, precision, schedule, log) and its state; what
+    saves and restores them is train/saving.py's."""
 
     def __init__(self, setup: Setup, step_timer=None):
         self.setup = setup
@@ -106,7 +107,6 @@ class Training:
         self.flag_checks = FlagChecks(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.restart_flags = setup.restart_flags
-        self.step_timer = step_timer.attach(engine) if step_timer else None  # python -m train.bench only: it syncs
         self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
         self.host_memory_unreserved = True  # (rank 0's checkpoint copies: host_memory.reserve)
         if setup.init:  # --init-from's weights, checked at start-up; every rank loads the same
@@ -123,46 +123,8 @@ class Training:
             self._resume()
         self.lr = self.schedule.lr(max(self.state.step, 1))
         self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
-
-    def _resume(self) -> None:
-        path, fallback = checkpoint.to_resume(self.out_dir)  # (checkpoint.pt, or the newest intact kept copy)
-        saved = checkpoint.load(path, self.engine.device)
-        self.load_state_dict(saved)
-        s = self.state
-        if fallback:
-            self.log.warning(fallback)
-        self.log.print(f"resuming {self.out_dir} at step {s.step} (epoch {s.epoch + 1}, step {s.step_in_epoch} of the epoch)")
-        if self.engine.rank == 0:
-            (self.out_dir / PREEMPTED_MARKER).unlink(missing_ok=True)
-            # a write cut short by a killed process (not under Horovod Elastic: it may be a running rank 0's)
-            for leftover in [] if self.engine.elastic else self.out_dir.glob(".checkpoint*.pt.*.tmp"):
-                leftover.unlink(missing_ok=True)
-            if not self.engine.elastic and not fallback:  # the copies a run killed after its last write had no time to make
-                self._keep_copies(saved)
-
-    def state_dict(self, samples: list[int], finished: str | None = None) -> dict:
-        """What a checkpoint (and a Horovod Elastic commit) holds; tensors are the live ones."""
-        s = self.state
-        return {"model": self.engine.unwrap(self.model).state_dict(), "optimizer": self.optimizer.state_dict(),
-                "precision": self.precision.state_dict(), "step": s.step, "epoch": s.epoch,
-                "step_in_epoch": s.step_in_epoch, "samples": samples, "finished": finished, "config": to_dict(self.cfg),
-                "classes": self.loader.class_names, "best_top1": s.best_top1, "best_step": s.best_step,
-                **({"ema": self.ema.state_dict()} if self.ema else {}), **self.skipped.state_dict()}
-
-    def load_state_dict(self, saved: dict, weights: bool = True) -> None:
-        if weights:
-            self.engine.unwrap(self.model).load_state_dict(saved["model"])
-        if self.ema:  # (a run that turns the average on at a resume has none saved: it starts from the weights)
-            self.ema.load_state_dict(saved.get("ema"))
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.precision.load_state_dict(saved["precision"])
-        s = self.state
-        s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
-        s.stop, s.reached_target = s.step >= self.cfg.max_steps > 0, False  # (a rollback may go back before either)
-        self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
-        self.flag_checks.restart(s.step)  # (every rank, at the same step: a resume, a rollback, a state sync)
-        s.best_top1, s.best_step = saved.get("best_top1"), saved.get("best_step")  # (none in older checkpoints)
-        self.skipped.load_state_dict(saved)
+        if step_timer:  # python -m train.bench only: it wraps the loader's batches and the step, and syncs
+            step_timer.attach(self)
 
     def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
@@ -198,44 +160,63 @@ class Training:
         self.check_replicas()
 
     def train_epoch(self, stop_signal: "StopSignal") -> None:
-        """The epoch's remaining steps; a logging window every --log-every steps; at the ranks'
-        agreement points, a stop signal on any rank checkpoints and stops the run."""
-        cfg, engine, s = self.cfg, self.engine, self.state
+        """The epoch's remaining steps: each batch through the optimizer step and its loss into the
+        meters, a logging window every --log-every steps, and between steps what the run does now and
+        then (the ranks' agreements, checkpoints, commits)."""
+        cfg, s = self.cfg, self.state
         self._follow_epoch_schedule()
         self.log.epoch_start(s.epoch + 1, fresh=s.step_in_epoch == 0)
         self.model.train()
-        window, self.epoch_meter = LossMeter(engine.device), LossMeter(engine.device)
-        batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
-        batches = self.step_timer.timed(batches) if self.step_timer else batches  # (bench: each batch's wait timed)
-        batches = progress(batches, self.loader.steps_per_epoch - s.step_in_epoch, self.schedule.global_batch(s.epoch),
-                           engine.rank == 0, f"epoch {s.epoch + 1}")
-        for images, labels in batches:
-            self.ledger.add(self.loader.last_positions)
+        self.window, self.epoch_meter = LossMeter(self.engine.device), LossMeter(self.engine.device)
+        for images, labels in self._epoch_batches():
             loss = self.train_step(images, labels)
-            if self.step_timer:  # (bench: the step's compute timed, to its end on the device)
-                self.step_timer.step_end(s.step)
-            if self.host_memory_unreserved and engine.rank == 0 and cfg.checkpoints:  # after a step: the optimizer has its state
-                reserve(self.state_dict(self.ledger.saved))
-                self.host_memory_unreserved = False
-            self.recent.add(images)
-            window.add(loss)
+            self.window.add(loss)
             self.epoch_meter.add(loss)
+            self._reserve_host_memory()
             if s.step % cfg.log_every == 0:
-                self._log_window(window)
-                window = LossMeter(engine.device)
+                self._log_window()
             if s.step == cfg.max_steps:
                 s.stop = True
                 return
-            stop = late = False
-            if self.flag_checks.due(s.step, engine.world_size):  # (train/stopping.py: spaced by what they cost)
-                stop, late = self.flag_checks.exchange(engine, s.step, [stop_signal.raised, self._checkpoint_late()])
-            if stop:
-                self._preempt()
-            by_steps = cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0
-            if s.step_in_epoch < self.loader.steps_per_epoch and (by_steps or late):
-                self.save()  # (at an epoch's last step, end_of_epoch decides)
-            if self.commit and s.step % cfg.commit_every == 0 and s.step_in_epoch < self.loader.steps_per_epoch:
-                self.commit()
+            self._between_steps(stop_signal)
+
+    def _epoch_batches(self):
+        """The loader's batches from where the epoch stands, on rank 0's progress bar. Before its step
+        each batch's sample positions go into the ledger (checkpoints count the epoch's images), and
+        --bn-recompute-batches keeps a copy of the last few."""
+        s = self.state
+        batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
+        batches = progress(batches, self.loader.steps_per_epoch - s.step_in_epoch, self.schedule.global_batch(s.epoch),
+                           self.engine.rank == 0, f"epoch {s.epoch + 1}")
+        for images, labels in batches:
+            self.ledger.add(self.loader.last_positions)
+            self.recent.add(images)
+            yield images, labels
+
+    def _reserve_host_memory(self) -> None:
+        """Once, after the first step (the optimizer has its state): the host memory of rank 0's
+        checkpoint copies paged in (train/host_memory.py)."""
+        if self.host_memory_unreserved and self.engine.rank == 0 and self.cfg.checkpoints:
+            reserve(self.state_dict(self.ledger.saved))
+            self.host_memory_unreserved = False
+
+    def _between_steps(self, stop_signal: "StopSignal") -> None:
+        """At the ranks' agreement points (train/stopping.py: spaced by what they cost), a stop signal on
+        any rank checkpoints and stops the run, and rank 0's clock may call for a checkpoint; checkpoints
+        every --checkpoint-every-steps; Horovod Elastic's commits (at an epoch's last step end_of_epoch
+        checkpoints and commits)."""
+        cfg, s, engine = self.cfg, self.state, self.engine
+        stop = late = False
+        if self.flag_checks.due(s.step, engine.world_size):
+            stop, late = self.flag_checks.exchange(engine, s.step, [stop_signal.raised, self._checkpoint_late()])
+        if stop:
+            self._preempt()
+        if s.step_in_epoch == self.loader.steps_per_epoch:
+            return
+        if late or (cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0):
+            self.save()
+        if self.commit and s.step % cfg.commit_every == 0:
+            self.commit()
 
     def _checkpoint_late(self) -> bool:
         """--checkpoint-every-minutes reads rank 0's clock, which the ranks agree on at their agreements
@@ -327,74 +308,6 @@ class Training:
         s.reached_target = bool(self.cfg.target_accuracy and top1 >= self.cfg.target_accuracy)
         s.stop = s.stop or s.reached_target
 
-    # checkpoints and the end ---------------------------------------------------------------------
-    def save(self, finished: str | None = None, wait: bool = False) -> None:
-        """Rank 0 copies the state to host memory and writes it in the background (after the previous
-        write is done: at most one in flight); every rank checks its weights (they are the same) and
-        learns whether the previous write worked, so all stop together. The last checkpoint of a run
-        (`finished`: why the run is over, if it is) and `wait` ones are on disk when this returns."""
-        share_bn_statistics(self.model, self.engine, self.cfg.bn_span)
-        if self.ema:  # (saved as evaluated)
-            share_bn_statistics(self.ema.model, self.engine, self.cfg.bn_span)
-        s, out_dir = self.state, self.out_dir
-        norms = torch.stack(torch._foreach_norm([p.detach() for p in self.model.parameters()]))
-        if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
-            raise raised_everywhere(Diverged(f"weights are not finite at step {s.step}; stopped, {self._kept()}; lower --lr"))
-        samples = self.ledger.total(self.engine)
-        self.skipped.take(self.loader, "training")  # (kept in the checkpoint: a resume in this epoch counts on from these)
-        problem = None
-        if self.engine.rank == 0 and self.cfg.checkpoints:  # (--no-checkpoints: nothing written)
-            try:
-                self._wait_for_write()
-                copied = time.time()
-                state = host_copy(self.state_dict(samples, finished))
-                self.writer.start(out_dir / "checkpoint.pt", state, s.step, time.time() - copied)
-                self.in_flight = {key: value for key, value in state.items() if not isinstance(value, dict)}
-                if wait or finished or s.stop or s.epoch >= self.cfg.epochs:
-                    self._wait_for_write()
-            except OSError as err:
-                problem = (f"could not write {out_dir / 'checkpoint.pt'} at step {self.writer.failed_step} "
-                           f"({err.strerror or err}); {self._kept()}; free disk space and start the same "
-                           f"command{self.restart_flags} again")
-        self.last_checkpoint = time.time()
-        if self.engine.any(problem is not None):
-            raise raised_everywhere(RunAborted(problem or "rank 0 could not write the checkpoint"))
-
-    def _wait_for_write(self) -> None:
-        """Until the background write (and the copies of the one before) is done; logs it, or raises its
-        failure; then --keep-checkpoints' copies of it start in the background."""
-        self.writer.wait()
-        if self.writer.last:
-            self.log.checkpoint(**self.writer.last)
-            self.writer.last = None
-        if self.writer.copy_failure:  # (training goes on: checkpoint.pt is on disk)
-            self.log.warning(self.writer.copy_failure)
-            self.writer.copy_failure = None
-        written, self.in_flight = self.in_flight, None
-        if written:
-            self._keep_copies(written)
-
-    def _keep_copies(self, saved: dict) -> None:
-        """--keep-checkpoints: the finished checkpoint.pt (entries `saved`) kept as the epoch's and the best's."""
-        if self.cfg.keep_checkpoints:
-            self.writer.keep_copies(self.out_dir, saved, self.cfg.keep_checkpoints)
-
-    def _kept(self) -> str:
-        return checkpoint.left_to_continue(self.out_dir, self.cfg.checkpoints)
-
-    def _preempt(self) -> None:
-        self.save(wait=True)
-        step = self.state.step
-        if self.engine.rank == 0 and not self.cfg.checkpoints:
-            print(f"preempted at step {step}: {self._kept()}", file=sys.stderr, flush=True)
-        elif self.engine.rank == 0:
-            (self.out_dir / PREEMPTED_MARKER).write_text(f"step {step}\n")
-            # said before any rank exits: a launcher tears the other ranks down at the first exit
-            print(f"preempted at step {step}: checkpoint written to {self.out_dir}; start the same command"
-                  f"{self.restart_flags} again to continue", file=sys.stderr, flush=True)
-        self.engine.barrier()  # nobody exits (and gets the job torn down) before the checkpoint is on disk
-        raise Preempted(f"preempted at step {step}")
-
     # Horovod Elastic (train/elastic.py) ----------------------------------------------------------
     def take_new_share(self) -> None:
         """Setup.reshare()'s settings and loader for the new rank count (the epoch sets batch and crops)."""
@@ -426,14 +339,16 @@ class Training:
                 "images": images, "seconds": seconds, "out_dir": str(self.out_dir)}
 
     # checks at logging points --------------------------------------------------------------------
-    def _log_window(self, window: "LossMeter") -> None:
-        s = self.state
+    def _log_window(self) -> None:
+        """The logging window's figures; the next window starts when they are written."""
+        s, window = self.state, self.window
         mean_loss, seconds = window.mean(self.engine), window.seconds()  # host sync, then the clock
         self._check_finite()
         self.log.train_window((s.epoch + 1, s.step_in_epoch, self.loader.steps_per_epoch), seconds / window.steps,
                               step=s.step, epoch=s.epoch + s.step_in_epoch / self.loader.steps_per_epoch,
                               images=self.clock.images(s.step), img_per_s=round(self._images_of(window) / seconds, 2),
                               loss=mean_loss, lr=self.lr, **self.precision.log_fields())
+        self.window = LossMeter(self.engine.device)
 
     def _images_of(self, meter: "LossMeter") -> int:
         """Images of a meter's steps (the last meter.steps steps), over all ranks."""
