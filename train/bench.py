@@ -32,16 +32,20 @@ if TYPE_CHECKING:
 # torch and numpy are imported by the code that measures: --help and a refused flag answer without them
 
 TRAIN_KEYS = ("images_per_s", "images_per_s_per_rank", "data_wait_ms_p50", "data_wait_ms_p95", "compute_ms_p50",
-              "compute_ms_p95", "input_bound", "steps", "ranks")
-INPUT_BOUND_SHARE = 0.10  # input bound: the median wait for data is more than this share of the median step
+              "compute_ms_p95", "compute_alone_ms_p50", "input_cost_ms_p50", "input_bound", "steps", "ranks")
+INPUT_BOUND_SHARE = 0.10  # input bound: the input costs the median step more than this share of it
+QUIET_STEPS = 5  # steps timed again with the loader idle: the step's compute alone
 PERCENTILES = (50, 90, 95, 99)
 
 
 # train ---------------------------------------------------------------------------------------------
 class StepTimer:
     """Each step's wait for its batch (from asking the loader to the batch being on the device) and its
-    compute (from then to the step's end on the device), in seconds, on this rank; after the last
-    measured step, every rank's measured steps gathered (`ranks`: one list of steps per rank)."""
+    compute (from then to the step's end on the device), in seconds, on this rank. After the last
+    measured step, the same step's compute alone: the loader left to go quiet, the last batch stepped
+    again QUIET_STEPS times with nothing else running, so that a loader that keeps up but takes the
+    cores the step needs shows as what it costs (a wait near zero, a slower compute). Then every rank's
+    figures are gathered (`ranks`: per rank, its measured steps and its quiet computes)."""
 
     def __init__(self, warmup_steps: int, steps: int):
         self.warmup_steps, self.steps = warmup_steps, steps
@@ -58,6 +62,9 @@ class StepTimer:
         def timed_step(images, labels):
             loss = step(images, labels)
             self.step_end(training.state.step)
+            if training.state.step == self.warmup_steps + self.steps:  # (every rank is here: collectives are safe)
+                self.ranks = self.engine.gather_object((self.records[self.warmup_steps:],
+                                                        self.quiet_computes(training, step, images, labels)))
             return loss
         training.train_step = timed_step
 
@@ -87,25 +94,57 @@ class StepTimer:
         self._sync()
         wait = self.records[-1][0]
         self.records[-1] = (wait, time.perf_counter() - self._got, self._images)
-        if step == self.warmup_steps + self.steps:  # (every rank is here: a collective is safe)
-            self.ranks = self.engine.gather_object(self.records[self.warmup_steps:])
+
+    def quiet_computes(self, training, step, images, labels) -> list[float]:
+        """The step on this batch again, timed, once this process's other threads (the loader's) are
+        idle; the run's position is put back after (the weights have taken the steps: a benchmark
+        keeps nothing)."""
+        wait_for_quiet()
+        self.engine.barrier()  # (each rank's first quiet step must not wait for a rank still waiting)
+        state = training.state
+        position = state.step, state.epoch, state.step_in_epoch, state.bad_steps
+        computes = []
+        for _ in range(QUIET_STEPS):
+            self._sync()
+            started = time.perf_counter()
+            step(images, labels)
+            self._sync()
+            computes.append(time.perf_counter() - started)
+        state.step, state.epoch, state.step_in_epoch, state.bad_steps = position
+        return computes
 
 
-def train_report(ranks: list[list[tuple[float, float, int]]]) -> dict:
-    """The report from every rank's measured steps: per step the slowest rank's wait and compute (a step
-    is as slow as its slowest rank), their percentiles, and images/s over the steps' time."""
+def wait_for_quiet(limit_s: float = 30.0, window_s: float = 0.1) -> None:
+    """Until this process uses less than a tenth of a core over a window (its loader threads have
+    filled what they may fill ahead and stopped), at most `limit_s`."""
+    end = time.monotonic() + limit_s
+    while time.monotonic() < end:
+        before = time.process_time()
+        time.sleep(window_s)
+        if time.process_time() - before < 0.1 * window_s:
+            return
+
+
+def train_report(ranks: list) -> dict:
+    """The report from every rank's (measured steps, quiet computes): per step the slowest rank's wait
+    and compute (a step is as slow as its slowest rank), their percentiles, images/s over the steps'
+    time; the slowest rank's median quiet compute (the step alone), and what the input costs the median
+    step beyond it (its wait, and the cores its threads took from the compute)."""
     import numpy as np
-    waits = np.array([[wait for wait, _, _ in steps] for steps in ranks]).max(axis=0)
-    computes = np.array([[compute for _, compute, _ in steps] for steps in ranks]).max(axis=0)
-    images = sum(n for steps in ranks for _, _, n in steps)
-    step_s = np.array([[wait + compute for wait, compute, _ in steps] for steps in ranks]).max(axis=0)
+    measured = [steps for steps, _ in ranks]
+    waits = np.array([[wait for wait, _, _ in steps] for steps in measured]).max(axis=0)
+    computes = np.array([[compute for _, compute, _ in steps] for steps in measured]).max(axis=0)
+    images = sum(n for steps in measured for _, _, n in steps)
+    step_s = np.array([[wait + compute for wait, compute, _ in steps] for steps in measured]).max(axis=0)
     per_s = images / float(step_s.sum())
-    wait_p50, compute_p50 = (float(np.percentile(x, 50)) for x in (waits, computes))
+    wait_p50, compute_p50, step_p50 = (float(np.percentile(x, 50)) for x in (waits, computes, step_s))
+    alone_p50 = max(float(np.percentile(quiet, 50)) for _, quiet in ranks)
+    cost_p50 = max(0.0, step_p50 - alone_p50)
     return {"images_per_s": round(per_s, 2), "images_per_s_per_rank": round(per_s / len(ranks), 2),
             "data_wait_ms_p50": round(wait_p50 * 1e3, 3), "data_wait_ms_p95": round(float(np.percentile(waits, 95)) * 1e3, 3),
             "compute_ms_p50": round(compute_p50 * 1e3, 3), "compute_ms_p95": round(float(np.percentile(computes, 95)) * 1e3, 3),
-            "input_bound": bool(wait_p50 > INPUT_BOUND_SHARE * (wait_p50 + compute_p50)),
-            "steps": len(waits), "ranks": len(ranks)}
+            "compute_alone_ms_p50": round(alone_p50 * 1e3, 3), "input_cost_ms_p50": round(cost_p50 * 1e3, 3),
+            "input_bound": bool(cost_p50 > INPUT_BOUND_SHARE * step_p50), "steps": len(waits), "ranks": len(ranks)}
 
 
 # flags of python -m train that the bench sets itself
@@ -156,15 +195,16 @@ def bench_train(argv: list[str]) -> int:
     if timer.engine.rank != 0:
         return 0
     report = train_report(timer.ranks)
-    per_rank_batch = timer.ranks[0][0][2]
+    per_rank_batch = timer.ranks[0][0][0][2]  # (rank 0, its measured steps, the first, its images)
     print(f"\nbenchmark: {cfg.arch} at {cfg.image_size} px, {report['ranks']} rank(s) x batch {per_rank_batch}, "
           f"{cfg.loader} loader, {report['steps']} measured steps after {ours.warmup_steps} warm-up")
     print(f"{'per step':12s} {'p50 ms':>10s} {'p95 ms':>10s}")
     print(f"{'data wait':12s} {report['data_wait_ms_p50']:10.2f} {report['data_wait_ms_p95']:10.2f}")
     print(f"{'compute':12s} {report['compute_ms_p50']:10.2f} {report['compute_ms_p95']:10.2f}")
+    print(f"{'alone':12s} {report['compute_alone_ms_p50']:10.2f} {'':>10s}   (the step again, the loader idle)")
     print(f"images/s {report['images_per_s']:.1f} in total, {report['images_per_s_per_rank']:.1f} per rank; input bound: "
-          f"{'yes' if report['input_bound'] else 'no'} (data wait {'over' if report['input_bound'] else 'at most'} "
-          f"{INPUT_BOUND_SHARE:.0%} of the step)")
+          f"{'yes' if report['input_bound'] else 'no'} (the input costs the step {report['input_cost_ms_p50']:.2f} ms: "
+          f"wait and slower compute, {'over' if report['input_bound'] else 'at most'} {INPUT_BOUND_SHARE:.0%} of it)")
     _write_json(Path(ours.report), report)
     print(f"report: {ours.report}")
     return 0
