@@ -158,7 +158,6 @@ FP16 = {"TRAINER_ALLOW_CPU_FP16": "1"}
 
 
 @pytest.mark.multiprocess
-@pytest.mark.alone
 @pytest.mark.parametrize("preset,ranks,extra", [
     ("goyal2017-8k", 1, ["--global-batch-size", 16, "--bn-group-size", 8]),  # ghost BN: 2 groups per rank
     ("akiba2017-32k", 1, ["--global-batch-size", 16]),

@@ -44,7 +44,10 @@ CPU_BF16_SMALLEST_CROP = 17
 
 
 def check_crop(name: str, device: torch.device, smallest_crop: int) -> None:
-    """Refuse bf16 on a CPU where the training crops would meet the broken convolution gradient."""
+    """Refuse bf16 on a CPU where the training crops would meet the broken convolution gradient
+    (TRAINER_ALLOW_BROKEN_CPU_BF16=1 lets it run: scripts/stress.py shows what it does)."""
+    if os.environ.get("TRAINER_ALLOW_BROKEN_CPU_BF16"):
+        return
     if resolve(name, device) == "bf16" and device.type != "cuda" and smallest_crop < CPU_BF16_SMALLEST_CROP:
         raise UsageError(f"bf16 on a CPU cannot train {smallest_crop} px crops: torch's CPU bf16 convolution "
                          "gives garbage weight gradients for a stride-2 convolution over a 1x1 input (ResNet's "

@@ -5,6 +5,7 @@ train/engines/topology.py. Launched by torchrun, Slurm's srun, or mpirun with MA
 import datetime
 import inspect
 import os
+import weakref
 
 import torch
 
@@ -148,7 +149,11 @@ class TorchDistributed(Topology):
         for whole, part in zip(padded, parts):
             into_wire(part, state.factor, whole[:part.numel()])  # the padding stays zero: sums of zeros
         all_gather = getattr(self.dist, "all_gather_single", None) or self.dist.all_gather_into_tensor
-        dist, (first, second, third) = self.dist, state.step_groups
+        dist, first, divisor = self.dist, state.step_groups[0], state.divisor
+        # the callbacks below reach the groups through a weak reference: gloo's thread lets go of them when
+        # it likes, and what it lets go of last is destroyed there (a process group's destructor on that
+        # thread, as the interpreter ends, aborts the process: docs/stress.md)
+        groups_of = weakref.ref(state)
         result = torch.futures.Future(devices=[flat.device] if flat.is_cuda else None)
         previous, state.issued = state.issued, torch.futures.Future()
         issued = state.issued
@@ -162,10 +167,11 @@ class TorchDistributed(Topology):
         def finish() -> None:
             for whole, part in zip(padded, parts):
                 part.copy_(whole[:part.numel()])
-            result.set_result(flat.div_(state.divisor))  # after the wire's parts are back in the gradients' type
+            result.set_result(flat.div_(divisor))  # after the wire's parts are back in the gradients' type
 
         def gather() -> None:
-            gathered = together(lambda i, group: all_gather(padded[i], shards[i], group=group, async_op=True), third)
+            gathered = together(lambda i, group: all_gather(padded[i], shards[i], group=group, async_op=True),
+                                groups_of().step_groups[2])
             issued.set_result(None)  # the next bucket's step 2 may be issued now
             _when_done(gathered, finish, result)
 
@@ -173,7 +179,8 @@ class TorchDistributed(Topology):
             for inbox, shard in zip(inboxes, shards):
                 if inbox is not None:  # every scatter rank's chunk of this rank's shard: their sum
                     torch.sum(inbox.view(-1, shard.numel()), 0, out=shard)
-            reduced = together(lambda i, group: dist.all_reduce(shards[i], group=group, async_op=True), second)
+            reduced = together(lambda i, group: dist.all_reduce(shards[i], group=group, async_op=True),
+                               groups_of().step_groups[1])
             _when_done(reduced, gather, result, issued)
 
         scattered = together(lambda i, group: dist.all_to_all_single(inboxes[i], padded[i], group=group, async_op=True),
