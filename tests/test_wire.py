@@ -77,8 +77,7 @@ TIMEOUT_S = 97  # TRAINER_COLLECTIVE_TIMEOUT_S for the launch: the groups' is 30
 
 
 @pytest.mark.multiprocess
-@pytest.mark.alone
-@pytest.mark.parametrize("engine", ["torch", "horovod"])
+@pytest.mark.parametrize("engine", ["torch", pytest.param("horovod", marks=pytest.mark.alone)])
 def test_every_all_reduce_averages_on_its_wire_without_over_or_underflow(engine, tmp_path):
     """tests/helpers/wire_check.py on 4 ranks (2 nodes of 2 for hierarchical and torus): bf16 runs'
     gradients of 1e-20 and 1e20, fp16 wire's of 3e4 (four overflow fp16 when summed as they are) and
