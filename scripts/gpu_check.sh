@@ -17,6 +17,10 @@
 # Exit: 0 all passed; 1 a gpu test failed or was skipped, or a run failed (its sync check included);
 #       2 nothing checked: no CUDA GPU visible, no torch, or mlperf-logging neither there nor in .whl/.
 #   bash scripts/gpu_check.sh --report JUNIT.xml   only the per-test report of a pytest JUnit file
+#   bash scripts/gpu_check.sh --dry-run            on a machine without a GPU, that the check can run on
+#       this python's stack: the same set-up and .whl/ installs, the gpu tests collected (not run), and
+#       the figures' runs on the CPU at toy sizes (tests/test_gpu.py runs it on the lent machine's stack,
+#       .venv-device: Python 3.12, torch 2.11, made by scripts/setup.sh)
 set -uo pipefail
 PY=${PYTHON:-python3}
 DALI_ABSENT="DALI absent"  # the skip reason of tests/test_gpu.py's DALI tests
@@ -57,6 +61,7 @@ if [ "${1:-}" = --report ]; then
     report_tests "${2:?usage: gpu_check.sh --report JUNIT.xml}"
     exit
 fi
+DRY_RUN=$([ "${1:-}" = --dry-run ] && echo 1 || echo "")
 
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-gpu_figures}
@@ -76,7 +81,7 @@ try:
     import torch
 except ImportError:
     sys.exit(3)
-sys.exit(0 if torch.cuda.is_available() else 4)"
+sys.exit(0 if torch.cuda.is_available() or '$DRY_RUN' else 4)"
 case $? in
     0) ;;
     3) fail_setup "$PY has no torch" ;;
@@ -108,6 +113,7 @@ timeout 60 "$PY" -c "import mlperf_logging" 2>/dev/null \
 
 timeout 120 "$PY" - <<'PYEOF' | tee -a "$figures"
 import importlib
+import sys
 from importlib import metadata
 import torch
 
@@ -120,14 +126,35 @@ def version(module, dist=None):
         return f"broken ({type(err).__name__}: {err})"
     return metadata.version(dist) if dist else getattr(loaded, "__version__", "present")
 
-print(f"torch {torch.__version__} | {torch.cuda.get_device_name(0)} | mlperf-logging {version('mlperf_logging', 'mlperf-logging')}"
+device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (dry run)"
+print(f"torch {torch.__version__} | {device} | python {sys.version.split()[0]} | mlperf-logging {version('mlperf_logging', 'mlperf-logging')}"
       f" | nvImageCodec {version('nvidia.nvimgcodec')} | DALI {version('nvidia.dali')}")
 PYEOF
+
+# only the files that hold gpu tests: the others import what this machine need not have (psutil, onnx,
+# tensorboard), and a module that fails to import stops pytest before any test runs
+mapfile -t gpu_files < <(grep -l "mark.gpu" tests/test_*.py)
+if [ -n "$DRY_RUN" ]; then  # what can be checked without a GPU: the tests load, the figures' runs run
+    timeout 150 "$PY" -m pytest -m gpu --collect-only -q -p no:cacheprovider "${gpu_files[@]}" >"$OUT/gpu_tests.log" 2>&1
+    collected_rc=$?
+    collected=$(grep -cE '::' "$OUT/gpu_tests.log")
+    note "gpu tests: $collected collected (dry run: not run), pytest exit $collected_rc"
+    timeout -k 10 "$(budget 300)" "$PY" scripts/gpu_figures.py --out "$OUT/figures" --arch resnet18 --image-size 24 \
+        --steps 4 --batch-size 4 --skip compile,ghost-bn,dali --deadline-s 240 >"$OUT/gpu_figures.log" 2>&1
+    runs_rc=$?
+    grep -v '^{' "$OUT/gpu_figures.log" | tail -n 30 | tee -a "$figures"
+    if [ "$collected_rc" -ne 0 ] || [ "$collected" -eq 0 ] || [ "$runs_rc" -ne 0 ]; then
+        note "gpu_check: dry run FAIL (tests $([ "$collected_rc" -eq 0 ] && echo collected || echo "not collected: $OUT/gpu_tests.log"), figures $([ "$runs_rc" -eq 0 ] && echo ok || echo "failed: $OUT/gpu_figures.log")) after ${SECONDS} s"
+        exit 1
+    fi
+    note "gpu_check: dry run ok after ${SECONDS} s (no GPU: nothing was measured)"
+    exit 0
+fi
 
 # The gpu tests, one line each in the figures from pytest's JUnit report.
 junit="$OUT/gpu_tests.xml"
 rm -f "$junit"
-timeout -k 10 "$(budget 150)" "$PY" -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$junit" tests \
+timeout -k 10 "$(budget 150)" "$PY" -m pytest -m gpu -rA -p no:cacheprovider --junitxml="$junit" "${gpu_files[@]}" \
     >"$OUT/gpu_tests.log" 2>&1
 pytest_rc=$?
 report_tests "$junit" | tee -a "$figures"

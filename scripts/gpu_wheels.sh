@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Fills .whl/ with the wheels that the lent GPU machine lacks, for scripts/gpu_check.sh there.
 # Run it here, where PyPI is reachable: that machine has no network, its python3 is 3.12 on
-# x86-64 with torch, numpy, pandas, pyyaml and scipy (all that mlperf-logging requires), but no
-# mlperf-logging and no nvImageCodec. .whl/ is git-ignored, so the call must carry it.
+# x86-64 with torch 2.11 (CUDA 13), numpy, pandas, pyyaml and scipy (all that mlperf-logging requires),
+# but no mlperf-logging and no nvImageCodec; torchvision, pillow and pytest it is not said to have.
+# .whl/ is git-ignored, so the call must carry it. `gpu_check.sh --dry-run` on .venv-device (that stack,
+# made by scripts/setup.sh) shows the check runs there with what .whl/ brings.
 #   mlperf-logging           required: the trainer writes its MLLOG with it
+#   torchvision, pillow      required: the models are torchvision's (0.26.0 is torch 2.11's)
+#   pytest (+ its packages)  required: the check runs the gpu tests
 #   nvidia-nvimgcodec-cu13   optional (data/decode.py falls back to PIL): kept only within the budget
 # DALI (hundreds of MB installed) never fits the 64 MiB that may travel; its GPU tests report `DALI absent`.
 # Idempotent: a wheel already in .whl/ is not fetched again, other versions of it are removed
@@ -12,7 +16,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 PY=${PYTHON:-python3}
 BUDGET_MIB=${BUDGET_MIB:-40}  # for .whl/; the working tree and .whl/ together must stay under 64 MiB
-REQUIRED=(mlperf-logging==4.1.68)
+# torchvision, pillow and pytest: the check's runs and tests need them, and the stack above does not say
+# they are there (a wheel of what the machine has is not installed: gpu_check.sh installs what is missing)
+REQUIRED=(mlperf-logging==4.1.68 torchvision==0.26.0 pillow==13.0.0 pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1
+          packaging==26.3 pygments==2.21.0)
 OPTIONAL=(nvidia-nvimgcodec-cu13==0.9.0.20)
 
 if ! git check-ignore -q .whl/x.whl; then

@@ -3,6 +3,7 @@ decoding, the torch loader's pinned batches): marked `gpu` and skipped without C
 scripts/gpu_check.sh runs them where a GPU is lent. Their CPU twins are test_bf16_on_cpu_trains,
 the fp32 end-to-end tests and test_dali.py's comparison of the two loaders.
 The last tests run on a CPU: how scripts/gpu_check.sh reports these tests and refuses a machine without CUDA."""
+import json
 import os
 import subprocess
 import sys
@@ -147,3 +148,29 @@ def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip() == "error: no CUDA GPU visible"
     assert (tmp_path / "gpu_figures.txt").read_text().splitlines()[-1] == "error: no CUDA GPU visible"
+
+
+DEVICE_PYTHON = REPO / ".venv-device" / "bin" / "python"  # the lent machine's stack (scripts/setup.sh)
+
+
+@pytest.mark.slow(seconds=40)
+@pytest.mark.skipif(not DEVICE_PYTHON.exists(), reason="no .venv-device: scripts/setup.sh makes it where Python 3.12 is")
+def test_gpu_check_dry_runs_on_the_lent_machines_stack(tmp_path):
+    """gpu_check.sh --dry-run on Python 3.12 with torch 2.11 and nothing else of ours: the wheels it
+    carries (.whl/) install without network, the gpu tests load (only their files: the others need
+    packages that machine lacks), and the figures' runs train on the CPU."""
+    probe = subprocess.run([str(DEVICE_PYTHON), "-c", "import torch, sys; print(torch.__version__, sys.version_info[:2])"],
+                           capture_output=True, text=True, timeout=120)
+    assert probe.stdout.startswith("2.11.0") and "(3, 12)" in probe.stdout, probe.stdout + probe.stderr
+    result = gpu_check("--dry-run", PYTHON=str(DEVICE_PYTHON), OUT=str(tmp_path))
+    said = (tmp_path / "gpu_figures.txt").read_text()
+    assert result.returncode == 0, said + result.stderr[-3000:]
+    assert "torch 2.11.0" in said and "python 3.12" in said and "mlperf-logging 4.1.68" in said, said
+    here = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
+                           REPO / "tests" / "test_gpu.py", REPO / "tests" / "test_ghost_bn.py"], capture_output=True,
+                          text=True, timeout=120, cwd=REPO)
+    expected = here.stdout.count("::")  # the gpu tests as this machine's own stack collects them
+    assert expected > 0 and f"gpu tests: {expected} collected" in said, said
+    runs = json.loads((tmp_path / "figures" / "gpu_figures.json").read_text())["runs"]
+    assert [r["run"] for r in runs] == ["synthetic bf16", "synthetic fp32"] and all(r["img_per_s"] > 0 for r in runs)
+    assert said.splitlines()[-1].startswith("gpu_check: dry run ok")
