@@ -29,11 +29,11 @@ class TrainingState(State):
         self.training = training
         hvd = training.engine.hvd
         super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
-        self.committed = host_copy(training.state_dict(training.ledger.saved))  # no collective here
+        self.committed = host_copy(training.state_dict(training.samples_trained.saved))  # no collective here
 
     def save(self) -> None:
         """A commit (every rank at the same step): the ledger's total needs one small all-reduce."""
-        self.committed = host_copy(self.training.state_dict(self.training.ledger.total(self.training.engine)))
+        self.committed = host_copy(self.training.state_dict(self.training.samples_trained.total(self.training.engine)))
 
     def restore(self) -> None:
         # from a copy: on the CPU the optimizer keeps the tensors it loads, and training on would
@@ -47,13 +47,13 @@ class TrainingState(State):
         steps = engine.hvd.allgather_object(training.state.step)
         root = steps.index(max(steps))
         engine.broadcast_tensors(engine.unwrap(training.model).state_dict(), root=root)
-        rest = training.state_dict(training.ledger.saved)
+        rest = training.state_dict(training.samples_trained.saved)
         rest.pop("model")
         # in host memory: a pickled GPU tensor would be unpickled onto the root's device on every worker
         rest = replace_tensors(rest, lambda t: t.detach().cpu()) if engine.rank == root else None
         # (named: Horovod names it by the object's type otherwise, which differs between root and the rest)
         training.load_state_dict(engine.hvd.broadcast_object(rest, root_rank=root, name="elastic.state"), weights=False)
-        self.committed = host_copy(training.state_dict(training.ledger.saved))
+        self.committed = host_copy(training.state_dict(training.samples_trained.saved))
 
     def reset(self) -> None:
         """Horovod formed a new set of workers (hvd.init() again): take the new rank and count."""

@@ -103,7 +103,7 @@ class Training(Checkpointing):
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
-        self.ledger, self.skipped = SampleLedger(), SkippedFiles(engine, self.log.warning)
+        self.samples_trained, self.skipped = SampleLedger(), SkippedFiles(engine, self.log.warning)
         self.flag_checks = FlagChecks(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
         self.restart_flags = setup.restart_flags
@@ -182,14 +182,14 @@ class Training(Checkpointing):
 
     def _epoch_batches(self):
         """The loader's batches from where the epoch stands, on rank 0's progress bar. Before its step
-        each batch's sample positions go into the ledger (checkpoints count the epoch's images), and
+        each batch's sample positions go into samples_trained (checkpoints count the epoch's images), and
         --bn-recompute-batches keeps a copy of the last few."""
         s = self.state
         batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
         batches = progress(batches, self.loader.steps_per_epoch - s.step_in_epoch, self.schedule.global_batch(s.epoch),
                            self.engine.rank == 0, f"epoch {s.epoch + 1}")
         for images, labels in batches:
-            self.ledger.add(self.loader.last_positions)
+            self.samples_trained.add(self.loader.last_positions)
             self.recent.add(images)
             yield images, labels
 
@@ -197,7 +197,7 @@ class Training(Checkpointing):
         """Once, after the first step (the optimizer has its state): the host memory of rank 0's
         checkpoint copies paged in (train/host_memory.py)."""
         if self.host_memory_unreserved and self.engine.rank == 0 and self.cfg.checkpoints:
-            reserve(self.state_dict(self.ledger.saved))
+            reserve(self.state_dict(self.samples_trained.saved))
             self.host_memory_unreserved = False
 
     def _between_steps(self, stop_signal: "StopSignal") -> None:
@@ -269,11 +269,11 @@ class Training(Checkpointing):
         self.skipped.take(self.loader, "training")
         skipped = len(self.skipped.in_epoch)
         self._check_finite()
-        samples = dict(zip(("count", "sum", "sum_sq"), self.ledger.total(self.engine)))
+        samples = dict(zip(("count", "sum", "sum_sq"), self.samples_trained.total(self.engine)))
         finished = s.step_in_epoch == steps_per_epoch
         if finished:
             s.epoch, s.step_in_epoch, self.skipped.in_epoch = s.epoch + 1, 0, set()
-            self.ledger = SampleLedger()
+            self.samples_trained = SampleLedger()
         figures = None
         if self.epoch_meter.steps:  # (none when a run resumes right after an epoch's last step)
             figures = dict(step=s.step, epoch=s.epoch + s.step_in_epoch / steps_per_epoch,
@@ -359,5 +359,5 @@ class Training(Checkpointing):
         cfg, s = self.cfg, self.state
         if self.engine.any(int(s.bad_steps.item()) >= cfg.max_bad_steps):
             raise raised_everywhere(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step "
-                                        f"{s.step}); stopped, {self._kept()}; lower --lr"))
+                                        f"{s.step}); stopped, {self._left_to_continue()}; lower --lr"))
 

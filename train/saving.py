@@ -16,7 +16,7 @@ from train.meters import SampleLedger
 
 
 class Checkpointing:
-    """Training's checkpoints (its engine, model, optimizer, precision, weight average, state, ledger,
+    """Training's checkpoints (its engine, model, optimizer, precision, weight average, state, samples trained,
     skipped files, loader, log, writer, settings and run directory)."""
 
     def _resume(self) -> None:
@@ -54,7 +54,7 @@ class Checkpointing:
         s = self.state
         s.step, s.epoch, s.step_in_epoch = saved["step"], saved["epoch"], saved["step_in_epoch"]
         s.stop, s.reached_target = s.step >= self.cfg.max_steps > 0, False  # (a rollback may go back before either)
-        self.ledger = SampleLedger(saved.get("samples", (0, 0, 0)))
+        self.samples_trained = SampleLedger(saved.get("samples", (0, 0, 0)))
         self.flag_checks.restart(s.step)  # (every rank, at the same step: a resume, a rollback, a state sync)
         s.best_top1, s.best_step = saved.get("best_top1"), saved.get("best_step")  # (none in older checkpoints)
         self.skipped.load_state_dict(saved)
@@ -70,8 +70,8 @@ class Checkpointing:
         s, out_dir = self.state, self.out_dir
         norms = torch.stack(torch._foreach_norm([p.detach() for p in self.model.parameters()]))
         if not bool(norms.isfinite().all()):  # a NaN or inf anywhere makes its tensor's norm non-finite
-            raise raised_everywhere(Diverged(f"weights are not finite at step {s.step}; stopped, {self._kept()}; lower --lr"))
-        samples = self.ledger.total(self.engine)
+            raise raised_everywhere(Diverged(f"weights are not finite at step {s.step}; stopped, {self._left_to_continue()}; lower --lr"))
+        samples = self.samples_trained.total(self.engine)
         self.skipped.take(self.loader, "training")  # (kept in the checkpoint: a resume in this epoch counts on from these)
         problem = None
         if self.engine.rank == 0 and self.cfg.checkpoints:  # (--no-checkpoints: nothing written)
@@ -85,7 +85,7 @@ class Checkpointing:
                     self._wait_for_write()
             except OSError as err:
                 problem = (f"could not write {out_dir / 'checkpoint.pt'} at step {self.writer.failed_step} "
-                           f"({err.strerror or err}); {self._kept()}; free disk space and start the same "
+                           f"({err.strerror or err}); {self._left_to_continue()}; free disk space and start the same "
                            f"command{self.restart_flags} again")
         self.last_checkpoint = time.time()
         if self.engine.any(problem is not None):
@@ -110,14 +110,14 @@ class Checkpointing:
         if self.cfg.keep_checkpoints:
             self.writer.keep_copies(self.out_dir, saved, self.cfg.keep_checkpoints)
 
-    def _kept(self) -> str:
+    def _left_to_continue(self) -> str:
         return checkpoint.left_to_continue(self.out_dir, self.cfg.checkpoints)
 
     def _preempt(self) -> None:
         self.save(wait=True)
         step = self.state.step
         if self.engine.rank == 0 and not self.cfg.checkpoints:
-            print(f"preempted at step {step}: {self._kept()}", file=sys.stderr, flush=True)
+            print(f"preempted at step {step}: {self._left_to_continue()}", file=sys.stderr, flush=True)
         elif self.engine.rank == 0:
             (self.out_dir / PREEMPTED_MARKER).write_text(f"step {step}\n")
             # said before any rank exits: a launcher tears the other ranks down at the first exit
