@@ -95,7 +95,7 @@ class Training(Checkpointing):
             torch.set_float32_matmul_precision("high")
         torch.manual_seed(cfg.seed)
         model = build_model(cfg.arch, loader.num_classes, cfg.zero_init_residual, cfg.channels_last, cfg.blurpool).to(device)
-        model = engine.sync_batchnorm(model, cfg.bn_span, setup.ghost)
+        model = engine.sync_batchnorm(model, cfg.bn_span, cfg.bn_ghost_group)
         optimizer = build_optimizer(cfg, model)
         self.clock = EpochClock.of(cfg, loader.train_images)
         self.schedule = build_schedule(cfg, self.clock)

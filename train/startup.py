@@ -24,7 +24,7 @@ from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision, check_crop
 from train.rules import DEFAULT_PER_RANK_BATCH, batch_sizes, lr_and_warmup
-from train.schedule import EpochClock, batch_phases, training_crops
+from train.schedule import EpochClock, batch_changes, batch_phases, training_crops
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
@@ -41,7 +41,6 @@ class Setup:
     notes: dict  # for the header: how the LR and warmup ("lr") and the per-GPU batch ("batch") were chosen
     out_dir: Path
     lock: "runlock.RunLock | None"  # rank 0's lock on the run directory (it moves with rank 0: train/elastic.py)
-    ghost: int  # the BatchNorm ghost group (0: BN over the whole per-rank batch)
     init: "tuple[dict, str] | None"  # --init-from's checked weights and the line that says where the run starts
     restart_flags: str  # what a restart must add to the command to find a time-stamped run directory again
     started_ms: int  # when start-up began (MLLOG's init_start)
@@ -70,7 +69,7 @@ def prepare(cfg: Config) -> Setup:
     out_dir, lock = on_every_rank(engine, lambda: make_out_dir(run, engine))
     return Setup(cfg=run, engine=engine, precision=precision,
                  loader=loader, data_dir=data_dir, notes=notes, out_dir=out_dir, lock=lock,
-                 ghost=ghost_group(run, engine.world_size), init=init,
+                 init=init,
                  restart_flags="" if cfg.out_dir else f" with --out-dir {out_dir}", started_ms=started_ms,
                  warnings=warnings + ([relisted] if relisted else []))
 
@@ -202,7 +201,8 @@ def checked_setup(cfg: Config, engine, out_dir: str):
                          f"{cfg.num_classes}; check --data-dir (or --num-classes)")
     run = resolved(cfg, loader=loader_name, batch_size=batch_size, global_batch_size=global_batch, lr=lr,
                    warmup_epochs=warmup, num_classes=loader.num_classes, out_dir=out_dir,
-                   eval_every=cfg.eval_every if loader.val_images else 0)  # (--synthetic-val-images 0: nothing to evaluate)
+                   eval_every=cfg.eval_every if loader.val_images else 0,
+                   bn_ghost_group=ghost_group(cfg, global_batch, engine.world_size))  # (--synthetic-val-images 0: nothing to evaluate)
     check_batch_phases(run, engine.world_size, loader.train_images)
     init = init_weights(run) if run.init_from and not run.resume else None  # loaded into the model by the loop
     # read-only checks of the run directory the user named: rank 0's verdict reaches the others through
@@ -334,10 +334,10 @@ def check_batch_phases(cfg: Config, world_size: int, train_images: int) -> None:
                              "choose a divisor")
 
 
-def ghost_group(cfg: Config, world_size: int) -> int:
+def ghost_group(cfg: Config, global_batch: int, world_size: int) -> int:
     """--bn-group-size when it splits some phase's per-rank batch into groups, else 0: BN over the
     whole per-rank batch is then plain BatchNorm, bit for bit."""
-    largest = max(batch for _, batch in batch_phases(cfg)) // world_size
+    largest = max([global_batch, *(batch for _, batch in batch_changes(cfg.batch_schedule))]) // world_size
     return cfg.bn_group_size if 0 < cfg.bn_group_size < largest else 0
 
 
