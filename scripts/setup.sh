@@ -79,7 +79,13 @@ fi
 # runs `gpu_check.sh --dry-run` on them, so a check that cannot start on that machine fails here first.
 # SKIP_DEVICE_STACK=1 leaves it out (about 1 minute and 4.7 GB the first time).
 if [ -z "${SKIP_DEVICE_STACK:-}" ]; then
-    py312=$(command -v python3.12 || ls "$(pyenv root 2>/dev/null || echo /root/.pyenv)"/versions/3.12*/bin/python3.12 2>/dev/null | head -n 1 || true)
+    py312=""  # (pyenv's shim is on PATH whether or not it can run 3.12: each candidate is tried)
+    for candidate in python3.12 "$(pyenv root 2>/dev/null || echo "$HOME/.pyenv")"/versions/3.12*/bin/python3.12; do
+        if "$candidate" -c "import sys; sys.exit(sys.version_info[:2] != (3, 12))" 2>/dev/null; then
+            py312=$candidate
+            break
+        fi
+    done
     if [ -n "$py312" ]; then
         [ -x .venv-device/bin/python ] || "$py312" -m venv .venv-device
         if ! .venv-device/bin/python -c "import torch, numpy, yaml, sys; sys.exit(torch.__version__.split('+')[0] != '2.11.0')" 2>/dev/null; then
