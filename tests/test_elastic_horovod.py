@@ -206,7 +206,7 @@ def test_a_restored_commit_stays_the_commit_while_training_goes_on():
     from train.elastic import TrainingState
 
     class Training:  # what TrainingState uses of the loop's Training
-        engine, ledger = SimpleNamespace(hvd=hvd), SimpleNamespace(saved=(0, 0, 0))
+        engine, samples_trained = SimpleNamespace(hvd=hvd), SimpleNamespace(saved=(0, 0, 0))
 
         def __init__(self):
             self.weights = {"w": torch.ones(3)}
