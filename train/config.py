@@ -131,8 +131,8 @@ class Run(Config):
     """The settings a run goes by: the Config as typed with what start-up chose for the device, the
     rank count and the data filled in (the loader, the per-rank and global batch, the peak LR and
     warmup, the class count, no evaluation without validation images, the run directory). Made once,
-    by train/startup.py (resolved()); whatever holds a Run holds resolved settings, written to config.yaml as
-    they are (but for the fields below, which no flag sets)."""
+    by train/startup.py (resolved()); whatever holds a Run holds resolved settings, written to
+    config.yaml as they are (but for the fields below, which no flag sets)."""
     bn_ghost_group: int = 0  # --bn-group-size where it splits some phase's per-rank batch, else 0 (plain BN)
 
 

@@ -201,8 +201,8 @@ def checked_setup(cfg: Config, engine, out_dir: str):
                          f"{cfg.num_classes}; check --data-dir (or --num-classes)")
     run = resolved(cfg, loader=loader_name, batch_size=batch_size, global_batch_size=global_batch, lr=lr,
                    warmup_epochs=warmup, num_classes=loader.num_classes, out_dir=out_dir,
-                   eval_every=cfg.eval_every if loader.val_images else 0,
-                   bn_ghost_group=ghost_group(cfg, global_batch, engine.world_size))  # (--synthetic-val-images 0: nothing to evaluate)
+                   eval_every=cfg.eval_every if loader.val_images else 0,  # (--synthetic-val-images 0: nothing to evaluate)
+                   bn_ghost_group=ghost_group(cfg, global_batch, engine.world_size))
     check_batch_phases(run, engine.world_size, loader.train_images)
     init = init_weights(run) if run.init_from and not run.resume else None  # loaded into the model by the loop
     # read-only checks of the run directory the user named: rank 0's verdict reaches the others through

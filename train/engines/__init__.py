@@ -4,9 +4,10 @@ never asks which engine it has.
 `none` is one process (single.py); `torch` is torch.distributed (torch_distributed.py: DDP; launched
 by torchrun, Slurm's srun, or mpirun with MASTER_ADDR); `horovod` is Horovod (horovod.py: horovodrun,
 or mpirun). `auto` picks one from the launcher's environment (launch.py). A new engine is one more
-module and one more entry in ENGINES. A new all-reduce algorithm is one more name in --allreduce's choices (train/config.py) and a
-branch of each engine's wrap(); the two-level ones (hierarchical, torus) are routes over a grid of
-ranks (topology.py), run by one DDP hook and one Horovod optimizer wrapper (docs/allreduce.md).
+module and one more entry in ENGINES. A new all-reduce algorithm is one more name in --allreduce's
+choices (train/config.py) and a branch of each engine's wrap(); the two-level ones (hierarchical,
+torus) are routes over a grid of ranks (topology.py), run by one DDP hook and one Horovod optimizer
+wrapper (docs/allreduce.md).
 """
 import os
 from typing import Protocol, runtime_checkable
