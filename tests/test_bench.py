@@ -39,15 +39,20 @@ def synthetic(tmp_path_factory) -> dict:
     return train_report(tmp_path_factory.mktemp("synthetic"), "synthetic")
 
 
-def big_jpegs(root, size=1536, per_class=8) -> None:
-    """Two classes of noise JPEGs (about 3 MB each: slow to decode, whatever the crop)."""
+def jpeg_tree(root, per_class: int, picture, quality: int) -> None:
+    """Two classes of JPEGs, `per_class` to train on and 1 to evaluate each, `picture(rng)` each."""
     rng = np.random.default_rng(0)
     for split, count in (("train", per_class), ("val", 1)):
         for name in ("a", "b"):
             folder = root / split / name
             folder.mkdir(parents=True)
             for i in range(count):
-                Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)).save(folder / f"{i}.JPEG", quality=95)
+                picture(rng).save(folder / f"{i}.JPEG", quality=quality)
+
+
+def big_jpegs(root, size=1536, per_class=8) -> None:
+    """Noise JPEGs (about 3 MB each: slow to decode, whatever the crop)."""
+    jpeg_tree(root, per_class, lambda rng: Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8)), 95)
 
 
 @pytest.mark.slow(seconds=20)
@@ -70,16 +75,10 @@ def test_data_wait_rises_when_the_input_is_slow(synthetic, tmp_path):
 
 
 def smooth_jpegs(root, per_class=32) -> None:
-    """Two classes of 1600x1200 JPEGs of smooth colour fields (as photos compress): a core decodes one
-    in some tens of milliseconds."""
-    rng = np.random.default_rng(0)
-    for split, count in (("train", per_class), ("val", 1)):
-        for name in ("a", "b"):
-            folder = root / split / name
-            folder.mkdir(parents=True)
-            for i in range(count):
-                small = Image.fromarray(rng.integers(0, 256, (75, 100, 3), dtype=np.uint8))
-                small.resize((1600, 1200), Image.BICUBIC).save(folder / f"{i}.JPEG", quality=90)
+    """1600x1200 JPEGs of smooth colour fields (as photos compress): a core decodes one in some tens of
+    milliseconds."""
+    jpeg_tree(root, per_class, lambda rng: Image.fromarray(rng.integers(0, 256, (75, 100, 3), dtype=np.uint8))
+              .resize((1600, 1200), Image.BICUBIC), 90)
 
 
 @pytest.mark.slow(seconds=40)
