@@ -32,9 +32,16 @@ def host_aliases() -> list[str]:
     return names
 
 
+def write_hosts(tmp_path, hosts: list[str]) -> None:
+    """The hosts file the discovery script prints, replaced whole (the script, run every second, never
+    reads it half-written: an empty answer would take every host out of the job)."""
+    (tmp_path / "hosts.new").write_text("".join(f"{host}:1\n" for host in hosts))
+    os.replace(tmp_path / "hosts.new", tmp_path / "hosts")
+
+
 def elastic_job(tmp_path, hosts: list[str], *extra, min_np=2, elastic_timeout=30):
     """horovodrun under elastic: the hosts file and discovery script, and the job in the background."""
-    (tmp_path / "hosts").write_text("".join(f"{host}:1\n" for host in hosts))
+    write_hosts(tmp_path, hosts)
     script = tmp_path / "discover.sh"
     script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
     script.chmod(0o755)
@@ -129,7 +136,7 @@ def test_a_worker_that_joins_later_gets_the_state(tmp_path):
     job = elastic_job(tmp_path, aliases[:2])
     try:
         wait_until(lambda: trained_to(tmp_path / "run", 4), 240, "step 4", alive=[job])
-        (tmp_path / "hosts").write_text("".join(f"{host}:1\n" for host in aliases[:3]))
+        write_hosts(tmp_path, aliases[:3])
         assert job.wait(timeout=300) == 0, (tmp_path / "job.log").read_text()[-3000:]
     finally:
         kill_tree(job)

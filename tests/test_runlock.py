@@ -55,6 +55,38 @@ def test_a_live_holder_on_this_host_is_refused_by_name_and_its_lock_released_at_
     runlock.RunLock.acquire(tmp_path).release()  # free again
 
 
+@pytest.mark.parametrize("links", [True, False])
+def test_a_lock_is_never_read_empty_while_it_is_taken(tmp_path, monkeypatch, links):
+    """A reader that finds the lock file empty takes it for an unknown live job's (a Horovod Elastic
+    worker checking the run directory while its rank 0 takes the lock would refuse its own job): the
+    lock appears whole. Threads switched as often as the interpreter can; and, on a filesystem without
+    hard links, it is still taken once and written."""
+    if not links:
+        monkeypatch.setattr(os, "link", lambda *_: (_ for _ in ()).throw(PermissionError(1, "no links here")))
+    path, empty, done = tmp_path / runlock.LOCK_NAME, [], threading.Event()
+
+    def read_while_taken():
+        while not done.is_set():
+            if runlock._read(path) == {}:
+                empty.append(1)
+    reader = threading.Thread(target=read_while_taken)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    reader.start()
+    try:
+        for _ in range(200):
+            held = runlock.RunLock.acquire(tmp_path)
+            with pytest.raises(UsageError):  # once, whole or not
+                runlock.RunLock.acquire(tmp_path)
+            held.release()
+    finally:
+        done.set()
+        reader.join()
+        sys.setswitchinterval(switch)
+    assert not empty or not links, f"the lock was read empty {len(empty)} times in 200"
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # nothing left aside
+
+
 def test_a_dead_process_on_this_host_does_not_block(tmp_path):
     gone = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:

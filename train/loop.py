@@ -20,7 +20,7 @@ from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.config import Config
-from train.errors import Diverged, RunAborted, raised_everywhere
+from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
 from train.ema import WeightAverage
 from train.evaluate import evaluate, replicas_differing
 from train.host_memory import reserve
@@ -57,6 +57,9 @@ def _train(training: "Training") -> dict:
         return training.finish()
     except RunAborted:
         training.log.stop(K.ABORTED)
+        raise
+    except Preempted:  # every rank is here, past the checkpoint's barrier: the engine ends as after the last step
+        training.engine.shutdown()
         raise
     finally:
         training.writer.join()  # a checkpoint still being written reaches the disk before the process ends

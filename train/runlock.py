@@ -167,8 +167,8 @@ def check(out_dir: Path, say=print, elastic: bool = False) -> None:
 
 
 class RunLock:
-    """The lock rank 0 holds: made with O_EXCL (one of two jobs started at once gets it), refreshed
-    by a thread, removed by `release` only while it is still this process's."""
+    """The lock rank 0 holds: made whole, and only where there is none (one of two jobs started at once
+    gets it), refreshed by a thread, removed by `release` only while it is still this process's."""
 
     def __init__(self, path: Path, record: dict):
         self.path, self.record = path, record
@@ -183,17 +183,13 @@ class RunLock:
                   "job": job_identity(), "since": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "token": uuid.uuid4().hex}
         for _ in range(5):
             try:
-                fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                _create_whole(path, json.dumps(record) + "\n")
             except FileExistsError:
                 holder = _read(path)
                 if holder is not None and holder_alive(path, holder, say, elastic):
                     raise refusal(Path(out_dir), holder)
                 _remove_dead(path, holder)
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                os.fsync(f.fileno())
             return cls(path, record)
         raise UsageError(f"{out_dir}: could not take its lock {path} (other jobs keep taking it); start one job at a time")
 
@@ -221,6 +217,26 @@ class RunLock:
                 self.path.unlink(missing_ok=True)
         except OSError:
             pass
+
+
+def _create_whole(path: Path, text: str) -> None:
+    """`path` made with `text` in it, or FileExistsError: written aside, then hard-linked into place
+    (which, like O_EXCL, fails where the name exists), so that nobody reads it empty. A reader who did
+    (another job's start-up check, a Horovod Elastic worker's) would take it for an unknown live job's."""
+    aside = path.with_name(f".{LOCK_NAME}.{os.getpid()}.new")
+    with open(aside, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    try:
+        os.link(aside, path)
+    except FileExistsError:
+        raise
+    except OSError:  # a filesystem without hard links: created and written in two steps
+        with open(path, "x") as f:
+            f.write(text)
+    finally:
+        aside.unlink(missing_ok=True)
 
 
 def _remove_dead(path: Path, holder: dict | None) -> None:

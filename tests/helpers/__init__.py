@@ -183,8 +183,10 @@ def start(command: list, cwd, log: Path, env=None) -> subprocess.Popen:
     """A launcher started in its own process group (so that it and all it started can be killed at
     once), its output to `log`."""
     with open(log, "w") as out:
-        return subprocess.Popen(list(map(str, command)), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(list(map(str, command)), cwd=cwd, stdout=out, stderr=subprocess.STDOUT,
                                 env=child_env(**(env or {})), start_new_session=True)
+    proc.log = log  # what wait_until shows when the launcher ends first
+    return proc
 
 
 def descendants(pid: int) -> list[int]:
@@ -228,7 +230,8 @@ def wait_until(condition, timeout: float, what: str, alive=()):
             return value
         for proc in alive:
             if proc.poll() is not None:
-                raise AssertionError(f"{what}: the process ended first (exit {proc.returncode})")
+                said = proc.log.read_text()[-4000:] if hasattr(proc, "log") else ""
+                raise AssertionError(f"{what}: the process ended first (exit {proc.returncode})\n{said}")
         if time.time() > deadline:
             raise AssertionError(f"{what}: not within {timeout} s")
         time.sleep(0.05)
