@@ -226,6 +226,20 @@ def test_a_run_with_every_method_resumes_bit_exactly_and_its_average_is_what_is_
     assert "top-1 0.1000" in tested.stdout and "(300 images)" in tested.stdout, tested.stdout
 
 
+def test_init_from_a_run_that_kept_an_average_starts_from_the_average(tmp_path):
+    """The weights such a run evaluated, as --test-only, predict and export take them; and it says so."""
+    from models import build_model
+    from train.checkpoint import load_weights
+    trained = build_model("resnet18", 10).state_dict()
+    average = {name: tensor + 1 if tensor.is_floating_point() else tensor for name, tensor in trained.items()}
+    torch.save({"step": 5, "model": trained, "ema": average}, tmp_path / "checkpoint.pt")
+    weights, found = load_weights(tmp_path / "checkpoint.pt", "check --init-from")
+    assert all(torch.equal(weights[name], average[name]) for name in trained) and weights.keys() == trained.keys()
+    assert found == ["the average under 'ema'"]
+    torch.save({"step": 5, "model": trained}, tmp_path / "plain.pt")  # without one: the trained weights
+    assert all(torch.equal(load_weights(tmp_path / "plain.pt", "")[0][name], trained[name]) for name in trained)
+
+
 def _tree_and_shards(tmp_path):
     from data.embedded import ensure_embedded
     from data.shards import write_shards

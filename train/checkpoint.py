@@ -389,12 +389,15 @@ WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
 
 def load_weights(path: Path, what_to_do: str) -> tuple[dict, list[str]]:
-    """A model's weights, on the CPU, from a checkpoint of this trainer or of another script (the
-    weights under one of WEIGHT_KEYS, nested or not), or a bare state_dict (torchvision's .pth files);
-    names without a wrapper's prefix. Also says how they were found (e.g. "under 'state_dict'")."""
+    """A model's weights, on the CPU, from a checkpoint of this trainer (the weights it evaluated: with
+    --ema-decay, the average) or of another script (the weights under one of WEIGHT_KEYS, nested or not),
+    or a bare state_dict (torchvision's .pth files); names without a wrapper's prefix. Also says how they
+    were found (e.g. "under 'state_dict'")."""
     with torch.serialization.safe_globals([argparse.Namespace]):  # torchvision's and timm's scripts save their flags as one
         state = _read(path, torch.device("cpu"), what_to_do, mmap=True)
     found = []
+    if isinstance(state, dict) and _is_state_dict(state.get("ema")):  # --ema-decay: what the run evaluated,
+        state, found = state["ema"], ["the average under 'ema'"]  # as --test-only, predict and export take
     while not _is_state_dict(state):
         key = next((key for key in WEIGHT_KEYS if isinstance(state.get(key), dict)), None)
         if key is None:
