@@ -3,11 +3,13 @@ its own resolution, progressive resizing (in every loader, the planner and the s
 of the weights (what is evaluated, checkpointed, predicted and exported), the FFCV presets, and the
 flags' refusals; each against arithmetic done here by hand, and whole runs on one and two ranks."""
 import math
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
+import yaml
 
 from helpers import read_metrics, run_train
 from data.loaders import SyntheticLoader
@@ -16,6 +18,8 @@ from train.engines.single import SingleProcess
 from train.evaluate import evaluate
 from train.precision import Precision
 from train.schedule import resolution_ramp
+from train.score.flops import run_flop
+from train.score.runs import score_run
 
 
 class Mirrored(torch.nn.Module):
@@ -205,6 +209,11 @@ def test_a_run_with_every_method_resumes_bit_exactly_and_its_average_is_what_is_
     assert not all(torch.equal(a["model"][k], a["ema"][k]) for k in a["model"])  # an average, not a copy
     records = read_metrics(tmp_path / "whole")
     assert [r["image_size"] for r in records if r["kind"] == "epoch"] == [16, 32]
+    # scored from mllog.txt alone, each epoch's images still count at their crop size
+    shutil.copytree(tmp_path / "whole", tmp_path / "bare", ignore=shutil.ignore_patterns("metrics.jsonl", "*.pt"))
+    scored, bare = (score_run(tmp_path / run, 0.5, 5, 0.5, check=False) for run in ("whole", "bare"))
+    assert bare.total_flop == scored.total_flop > run_flop({**yaml.safe_load((tmp_path / "whole" / "config.yaml").read_text()),
+                                                             "resolution_schedule": "", "image_size": 16}, scored.images, 600)
     # the first epoch trained on 16 px crops: its weights are those of a run at --image-size 16
     for run, flags in (("ramped", []), ("small", ["--image-size", 16, "--resolution-schedule", ""])):
         done = run_train("--out-dir", run, *_methods(), *flags, "--max-steps", 15, "--eval-every", 0, cwd=tmp_path)
