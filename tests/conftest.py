@@ -41,23 +41,24 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -work[item.path])
 
 
-@pytest.fixture(autouse=True)
-def machine_share(request):
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
     """Under parallel workers, a test marked `alone` runs with the machine to itself: it closes a gate
     that keeps the other worker's next test from starting, waits for that worker's running test to end,
-    and opens the gate when it is done. Every other test holds a shared lock while it runs."""
+    and opens the gate when it is done. Every other test holds a shared lock while it runs. Held around
+    the test's whole protocol, not in a fixture: the set-up of a module's or the session's fixtures (a
+    cluster of namespaces, a trained run) falls in its first test's, and teardown in its last test's."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
-        yield
-        return
-    alone = request.node.get_closest_marker("alone") is not None
+        return (yield)
+    alone = item.get_closest_marker("alone") is not None
     base = os.path.join(tempfile.gettempdir(), f"trainer-tests-{run}")
     with open(base + ".gate", "a") as gate, open(base + ".lock", "a") as lock:
         fcntl.flock(gate, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
         if not alone:
             fcntl.flock(gate, fcntl.LOCK_UN)
-        yield  # (closing the files lets both locks go)
+        return (yield)  # (closing the files lets both locks go)
 
 
 @pytest.fixture(scope="session", autouse=True)
