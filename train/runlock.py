@@ -223,7 +223,7 @@ def _create_whole(path: Path, text: str) -> None:
     """`path` made with `text` in it, or FileExistsError: written aside, then hard-linked into place
     (which, like O_EXCL, fails where the name exists), so that nobody reads it empty. A reader who did
     (another job's start-up check, a Horovod Elastic worker's) would take it for an unknown live job's."""
-    aside = path.with_name(f".{LOCK_NAME}.{os.getpid()}.new")
+    aside = path.with_name(f".{LOCK_NAME}.{uuid.uuid4().hex}.new")  # (not the pid: hosts sharing the folder reuse them)
     with open(aside, "w") as f:
         f.write(text)
         f.flush()
