@@ -74,8 +74,8 @@ if [ -z "${SKIP_CLUSTER:-}" ] && command -v apt-get >/dev/null && [ "$(id -u)" =
         rm -rf "$debs"
     fi
 fi
-# The lent GPU machine's stack (Python 3.12, torch 2.11, numpy, pyyaml; none of this project's other
-# packages) in .venv-device, and the wheels scripts/gpu_check.sh carries there in .whl/: tests/test_gpu.py
+# A bare GPU node's stack (an offline node whose Python 3.12 has torch 2.11, numpy and pyyaml and none of
+# this project's other packages) in .venv-device, and the wheels scripts/gpu_check.sh carries there in .whl/: tests/test_gpu.py
 # runs `gpu_check.sh --dry-run` on them, so a check that cannot start on that machine fails here first.
 # SKIP_DEVICE_STACK=1 leaves it out (about 1 minute and 4.7 GB the first time).
 if [ -z "${SKIP_DEVICE_STACK:-}" ]; then
@@ -89,11 +89,11 @@ if [ -z "${SKIP_DEVICE_STACK:-}" ]; then
     if [ -n "$py312" ]; then
         [ -x .venv-device/bin/python ] || "$py312" -m venv .venv-device
         if ! .venv-device/bin/python -c "import torch, numpy, yaml, sys; sys.exit(torch.__version__.split('+')[0] != '2.11.0')" 2>/dev/null; then
-            echo "setup: the lent GPU machine's stack in .venv-device (Python 3.12, torch 2.11.0)" >&2
+            echo "setup: a bare GPU node's stack in .venv-device (Python 3.12, torch 2.11.0)" >&2
             .venv-device/bin/python -m pip install -q torch==2.11.0 numpy pyyaml
         fi
         PYTHON="$py" bash scripts/gpu_wheels.sh >/dev/null || echo "setup: .whl/ could not be filled (PyPI?): the gpu_check dry run will say what is missing" >&2
     else
-        echo "setup: no Python 3.12 here: the dry run of scripts/gpu_check.sh on the lent machine's stack is skipped" >&2
+        echo "setup: no Python 3.12 here: the dry run of scripts/gpu_check.sh on a bare GPU node's stack is skipped" >&2
     fi
 fi
