@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 
 from data.sharding import TrainBatchSampler, eval_batches
-from data.synthetic import synthetic_batch
+from data.synthetic import ImageBank
 from data.sources import open_split
 from data.tree import DataError
 
@@ -71,6 +71,9 @@ class Loader:
     # the positions in the epoch's global order of the training batch handed out last (the loop's
     # ledger: each position once per epoch, whatever the rank count)
     last_positions: range = range(0)
+    # this rank's evaluation batch size: every evaluation batch is padded to it (train/evaluate.py), so
+    # the model sees one shape; 0: batches are taken as they come
+    eval_batch_size: int = 0
 
     def __init__(self, num_classes, train_images, val_images, steps_per_epoch, train_size):
         self.num_classes, self.train_images, self.train_size = num_classes, train_images, train_size
@@ -132,6 +135,7 @@ class FileLoader(Loader):
         super().__init__(len(classes), len(self.train_source), len(self.val_source),
                          len(self.train_source) // self.sampler.global_batch, cfg.image_size)
         self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
+        self.eval_batch_size = cfg.batch_size
         counts = self.train_source.class_counts()  # (None: shards written without their counts)
         if counts is not None:
             self.empty_classes = [name for name, count in zip(classes, counts) if count == 0]
@@ -145,11 +149,13 @@ _VAL_STREAM = 1 << 45  # validation samples are indexed apart from any training 
 
 
 class SyntheticLoader(Loader):
-    """Random tensors from (seed, global sample index), generated on the device."""
+    """Random images from (seed, global sample index), gathered on the device from a bank per crop
+    size (data/synthetic.py)."""
 
     def __init__(self, cfg, rank, world_size, device):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
         self.batch_size, self.global_batch = cfg.batch_size, cfg.batch_size * world_size
+        self.eval_batch_size = cfg.batch_size
         if cfg.synthetic_images < self.global_batch and not cfg.evaluate_only:
             raise DataError(f"--synthetic-images {cfg.synthetic_images} is fewer than one global batch of {self.global_batch}")
         super().__init__(cfg.synthetic_classes, cfg.synthetic_images, cfg.synthetic_val_images,
@@ -157,12 +163,16 @@ class SyntheticLoader(Loader):
         described = f"synthetic {cfg.synthetic_images} {cfg.synthetic_val_images} {cfg.synthetic_classes} {cfg.seed} {cfg.image_size}"
         described += f" {eval_size(cfg)}" if eval_size(cfg) != cfg.image_size else ""
         self.sample_list_digest = hashlib.sha256(described.encode()).hexdigest()[:32]
+        self.banks = {}
+        self.set_image_size(cfg.image_size)
 
-    def _batch(self, indices: torch.Tensor, size: int):
-        images, labels = synthetic_batch(indices, self.cfg.seed, size, self.num_classes, self.device)
-        if self.cfg.channels_last:
-            images = images.contiguous(memory_format=torch.channels_last)
-        return images, labels
+    def set_image_size(self, size: int) -> None:
+        """The training crops at `size` px: their bank made now, before the epoch's steps; only the
+        training and evaluation sizes' banks are kept."""
+        super().set_image_size(size)
+        sizes = {size, eval_size(self.cfg)}
+        self.banks = {s: self.banks.get(s) or ImageBank(self.cfg.seed, s, self.device, self.cfg.channels_last)
+                      for s in sorted(sizes)}
 
     def set_batch_size(self, per_rank: int) -> None:
         self.batch_size, self.global_batch = per_rank, per_rank * self.world_size
@@ -172,8 +182,10 @@ class SyntheticLoader(Loader):
         for step in range(start_step, self.steps_per_epoch):
             first = step * self.global_batch + self.rank * self.batch_size
             self.last_positions = range(first, first + self.batch_size)
-            yield self._batch(torch.arange(first, first + self.batch_size) + epoch * self.train_images, self.train_size)
+            indices = torch.arange(first, first + self.batch_size) + epoch * self.train_images
+            yield self.banks[self.train_size].batch(indices, self.cfg.seed, self.num_classes)
 
     def val_batches(self):
+        bank = self.banks[eval_size(self.cfg)]
         for batch in eval_batches(self.val_images, self.cfg.batch_size, self.rank, self.world_size):
-            yield self._batch(torch.tensor(batch) + _VAL_STREAM, eval_size(self.cfg))
+            yield bank.batch(torch.tensor(batch) + _VAL_STREAM, self.cfg.seed, self.num_classes)

@@ -1,11 +1,17 @@
 """Synthetic batches for pure-compute measurement.
 
-Each sample is a function of (seed, global sample index) alone, computed on the device with
-integer hashing, so the same global batch is generated whatever the number of ranks and the
-generator costs almost nothing next to a training step.
+Each sample is a function of (seed, global sample index) alone, so the same global batch is
+generated whatever the number of ranks. Making a batch costs a gather: a bank of BANK_IMAGES images
+per crop size, standard normal, is made once on the host from the seed and sent to the device; each
+sample takes one of them and its label by a hash of its index, computed on the host for the batch's
+few indices and sent with `to_device` (pinned, not waited for). The step never waits for it and
+never pays for generating pixels.
 """
 import torch
 
+from data.transfer import to_device
+
+BANK_IMAGES = 64  # distinct images per crop size: each sample is one of them
 _MASK = (1 << 31) - 1
 
 
@@ -16,13 +22,26 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def synthetic_batch(indices: torch.Tensor, seed: int, image_size: int, num_classes: int,
-                    device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images (N, 3, S, S), roughly standard normal, and labels for global sample `indices`."""
-    indices = indices.to(device=device, dtype=torch.int64)
-    sample_key = _mix((_mix(indices & _MASK) ^ _mix((indices >> 31) + seed * 7919)) & _MASK)
-    labels = sample_key % num_classes
-    pixels = torch.arange(3 * image_size * image_size, device=device, dtype=torch.int64)
-    noise = _mix((sample_key[:, None] * 2654435761 + pixels[None, :]) & _MASK).float() * (1.0 / _MASK)
-    images = (noise - 0.5) * 3.4641  # uniform with unit variance
-    return images.view(-1, 3, image_size, image_size), labels
+def sample_keys(indices: torch.Tensor, seed: int) -> torch.Tensor:
+    """A 31-bit hash of each global sample index (int64, on the host) and the seed."""
+    return _mix((_mix(indices & _MASK) ^ _mix((indices >> 31) + seed * 7919)) & _MASK)
+
+
+class ImageBank:
+    """The images synthetic samples are drawn from, of one crop size, on the run's device: (B, 3, S, S),
+    channels_last or not as the run's batches are."""
+
+    def __init__(self, seed: int, size: int, device: torch.device, channels_last: bool):
+        self.size, self.device, self.channels_last = size, torch.device(device), channels_last
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + size)
+        # NHWC memory for channels_last: a gather of whole images keeps the layout without a copy
+        shape = (BANK_IMAGES, size, size, 3) if channels_last else (BANK_IMAGES, 3, size, size)
+        self.images = to_device(torch.randn(shape, generator=generator), self.device)
+
+    def batch(self, indices: torch.Tensor, seed: int, num_classes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images (N, 3, S, S) and labels (N,) on the device for global sample `indices` (int64, on the
+        host): each sample's image and label both from its key, independent of each other."""
+        keys = sample_keys(indices, seed)
+        picks = to_device(torch.stack([keys % BANK_IMAGES, (keys // BANK_IMAGES) % num_classes]), self.device)
+        images = self.images.index_select(0, picks[0])
+        return (images.permute(0, 3, 1, 2) if self.channels_last else images), picks[1]

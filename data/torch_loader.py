@@ -24,6 +24,7 @@ from torchvision.transforms.v2 import functional as TF
 from data.decode import BadImage, Encoded
 from data.loaders import IMAGENET_MEAN, IMAGENET_STD, FileLoader, eval_geometry, eval_size
 from data.sources import first_readable
+from data.transfer import to_device
 
 BATCHES_IN_FLIGHT = 2  # the batch being consumed plus one being filled
 
@@ -89,8 +90,9 @@ class BatchMaker:
         # along channels_last's innermost dimension does not vectorise on a CPU (3x slower there)
         scale = 1 / (torch.tensor(IMAGENET_STD) * 255)
         shift = -torch.tensor(IMAGENET_MEAN) * 255 * scale
-        self.scale, self.shift = (v.view(1, 3, 1, 1).expand(1, 3, size, size).contiguous(memory_format=torch.channels_last)
-                                  .to(device) for v in (scale, shift))
+        whole = (v.view(1, 3, 1, 1).expand(1, 3, size, size).contiguous(memory_format=torch.channels_last)
+                 for v in (scale, shift))
+        self.scale, self.shift = (to_device(v, device) for v in whole)
 
     def empty(self, n: int) -> torch.Tensor:
         """NCHW: on a GPU a view of pinned NHWC uint8, on a CPU the normalised float batch itself."""
@@ -106,7 +108,7 @@ class BatchMaker:
 
     def on_device(self, batch: torch.Tensor) -> torch.Tensor:
         if batch.dtype == torch.uint8:  # a GPU run's pinned batch: normalised there
-            batch = batch.to(self.device, non_blocking=True).float().mul_(self.scale).add_(self.shift)
+            batch = to_device(batch, self.device).float().mul_(self.scale).add_(self.shift)
         return batch.contiguous(memory_format=self.layout)  # a copy only for a batch that lost a skipped image
 
 
@@ -166,10 +168,7 @@ class TorchLoader(FileLoader):
     # a batch: empty memory (the maker's, of its crop size), filled slot by slot by the threads, then
     # handed to the loop --------------------------------------------------------------------------
     def _labels_on_device(self, labels: list[int]) -> torch.Tensor:
-        labels = torch.tensor(labels)
-        if self.device.type == "cuda":  # from pinned memory, queued on the stream: no wait for the GPU
-            labels = labels.pin_memory().to(self.device, non_blocking=True)
-        return labels
+        return to_device(torch.tensor(labels), self.device)
 
     def _train_slot(self, batch, slot, key, crop):
         pixels, label, skipped = train_item(self.train_source, *key, crop)

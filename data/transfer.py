@@ -13,10 +13,11 @@ import torch
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device` without the host waiting for it: a host tensor is pinned (unless it is
     already) and its copy queued on the current stream; a tensor already there is returned as it is
-    (on a CPU-only run every batch is)."""
+    (on a CPU-only run every batch is). To the host it is an ordinary copy, which waits: its
+    reader needs the values."""
     device = torch.device(device)
-    if tensor.device == device or (device.type == tensor.device.type == "cpu"):
-        return tensor
+    if device.type == "cpu":
+        return tensor.to(device)
     if tensor.device.type == "cpu" and device.type == "cuda" and not tensor.is_pinned():
         tensor = tensor.pin_memory()  # (a host memcpy into the caching host allocator's memory: no device wait)
     return tensor.to(device, non_blocking=True)

@@ -9,7 +9,7 @@ import data.embedded as embedded
 from data.tree import check_tree
 from data.torch_loader import TorchLoader
 from data.sharding import TrainBatchSampler, eval_batches
-from data.synthetic import synthetic_batch
+from data.synthetic import ImageBank
 from train.config import Config
 
 
@@ -82,14 +82,70 @@ def test_eval_sharding_counts_every_image_exactly_once(world):
 
 
 def test_synthetic_samples_depend_only_on_global_index():
-    whole_x, whole_y = synthetic_batch(torch.arange(100, 108), 5, 16, 1000, torch.device("cpu"))
-    a_x, a_y = synthetic_batch(torch.arange(100, 104), 5, 16, 1000, torch.device("cpu"))
-    b_x, b_y = synthetic_batch(torch.arange(104, 108), 5, 16, 1000, torch.device("cpu"))
+    bank = ImageBank(5, 16, torch.device("cpu"), channels_last=False)
+    whole_x, whole_y = bank.batch(torch.arange(100, 108), 5, 1000)
+    a_x, a_y = bank.batch(torch.arange(100, 104), 5, 1000)
+    b_x, b_y = ImageBank(5, 16, torch.device("cpu"), channels_last=False).batch(torch.arange(104, 108), 5, 1000)
     assert torch.equal(whole_x, torch.cat([a_x, b_x])) and torch.equal(whole_y, torch.cat([a_y, b_y]))
     assert whole_x.shape == (8, 3, 16, 16) and whole_y.min() >= 0 and whole_y.max() < 1000
     assert abs(whole_x.mean().item()) < 0.05 and abs(whole_x.std().item() - 1) < 0.05
-    other_x, _ = synthetic_batch(torch.arange(100, 108), 6, 16, 1000, torch.device("cpu"))
-    assert not torch.equal(other_x, whole_x)
+    assert len({tuple(x.flatten()[:4].tolist()) for x in whole_x}) > 4 and len(set(whole_y.tolist())) > 4  # (varied)
+    other_x, other_y = ImageBank(6, 16, torch.device("cpu"), channels_last=False).batch(torch.arange(100, 108), 6, 1000)
+    assert not torch.equal(other_x, whole_x) and not torch.equal(other_y, whole_y)
+    # channels_last: the same images, in that layout
+    last_x, last_y = ImageBank(5, 16, torch.device("cpu"), channels_last=True).batch(torch.arange(100, 108), 5, 1000)
+    assert last_x.is_contiguous(memory_format=torch.channels_last) and torch.equal(last_y, whole_y)
+    assert last_x.shape == whole_x.shape and abs(last_x.std().item() - 1) < 0.05
+
+
+def synthetic_loader(world: int, rank: int, **changes):
+    from data.loaders import SyntheticLoader
+    settings = dict(loader="synthetic", image_size=16, batch_size=8 // world, synthetic_images=64,
+                    synthetic_val_images=20, synthetic_classes=10, seed=3) | changes
+    return SyntheticLoader(Config(**settings), rank, world, torch.device("cpu"))
+
+
+def test_synthetic_batches_are_the_same_global_batches_on_any_rank_count():
+    """Training: each step's global batch is rank 0's half then rank 1's. Evaluation: every validation
+    sample once over the ranks (rank r takes r, r + world, ...), the same as on one rank, and none of
+    them a training sample."""
+    one, two = synthetic_loader(1, 0), [synthetic_loader(2, rank) for rank in (0, 1)]
+    for epoch in (0, 1):
+        for whole, *halves in zip(one.train_batches(epoch), *(loader.train_batches(epoch) for loader in two), strict=True):
+            for part in (0, 1):  # images, labels
+                assert torch.equal(whole[part], torch.cat([half[part] for half in halves]))
+    first, later = next(iter(one.train_batches(0))), next(iter(one.train_batches(1)))
+    assert not torch.equal(first[0], later[0])  # (an epoch's samples are its own)
+    val_one = [torch.cat(parts) for parts in zip(*one.val_batches())]
+    val_two = [[torch.cat(parts) for parts in zip(*loader.val_batches())] for loader in two]
+    for part in (0, 1):
+        interleaved = torch.stack([val_two[0][part], val_two[1][part]], 1).flatten(0, 1)  # 10 each: 0, 1, 2, ...
+        assert torch.equal(val_one[part], interleaved)
+    assert not torch.equal(val_one[0][:8], first[0])
+
+
+def test_a_synthetic_batch_costs_a_gather_not_a_pass_per_pixel():
+    """The elements that a batch's operations write, counted at the dispatcher (views write none): the
+    gather of the batch's images, and a few per sample; not dozens of passes over every pixel."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Written(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.elements = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if not func.is_view:
+                self.elements += sum(t.numel() for t in torch.utils._pytree.tree_leaves(out) if isinstance(t, torch.Tensor))
+            return out
+
+    loader = synthetic_loader(1, 0, image_size=32, channels_last=True)
+    for batches in (loader.train_batches(0), loader.val_batches()):
+        with Written() as written:
+            images, labels = next(iter(batches))
+        assert images.shape == (8, 3, 32, 32) and images.is_contiguous(memory_format=torch.channels_last)
+        assert images.numel() <= written.elements < 1.2 * images.numel(), (written.elements, images.numel())
 
 
 def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):

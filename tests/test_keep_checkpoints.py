@@ -14,12 +14,12 @@ from train.config import Config
 from train.errors import UsageError
 from train.startup import init_weights
 
-# 32 images at global batch 8: 4 steps per epoch; an evaluation after every epoch. Seed 1's evaluations
-# on this machine: 0.1250, 0.1719, 0.1094, 0.1406 (asserted below: the test depends on their order)
+# 32 images at global batch 8: 4 steps per epoch; an evaluation after every epoch. Seed 5's evaluations
+# on this machine: 0.0469, 0.1250, 0.0469, 0.0625 (asserted below: the test depends on their order)
 STEPS = 4
 RUN = ["--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 32,
        "--synthetic-val-images", 64, "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 4,
-       "--eval-every", 1, "--log-every", 4, "--seed", 1]
+       "--eval-every", 1, "--log-every", 4, "--seed", 5]
 
 
 def kept(run_dir) -> list[str]:

@@ -54,6 +54,79 @@ def test_recomputed_bn_statistics_are_those_of_the_last_batches_together():
     assert recompute_bn_statistics(model, [], engine, Precision("fp32", engine.device)) == 0
 
 
+def _two_bn_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3), torch.nn.BatchNorm2d(6), torch.nn.ReLU(),
+                               torch.nn.Conv2d(6, 6, 3, padding=1), torch.nn.BatchNorm2d(6))
+
+
+def _bn_inputs(model, batches, precision) -> list[torch.Tensor]:
+    """Each BN layer's inputs over `batches` (a forward pass in training mode), concatenated."""
+    layers = [m for m in model if isinstance(m, torch.nn.BatchNorm2d)]
+    seen = {m: [] for m in layers}
+    hooks = [m.register_forward_pre_hook(lambda m, args: seen[m].append(args[0].detach().clone())) for m in layers]
+    with torch.no_grad(), precision.autocast():
+        for batch in batches:
+            model.train()(batch)
+    for hook in hooks:
+        hook.remove()
+    return [torch.cat(seen[m]) for m in layers]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_recomputed_bn_statistics_equal_an_fp64_reference(precision):
+    """Batches of 5, 3 and 7 images whose channels sit far from zero (mean 1000, std 1: where sums of
+    squares cancel): each layer's mean and unbiased variance as fp64 takes them over the same inputs
+    (bf16: the layer's bf16 inputs, read exactly)."""
+    generator = torch.Generator().manual_seed(4)
+    batches = [torch.randn(n, 3, 10, 10, generator=generator) for n in (5, 3, 7)]
+    model, engine = _two_bn_model(), SingleProcess(Config())
+    with torch.no_grad():
+        model[0].bias.fill_(1000.0)
+    mode = Precision(precision, engine.device)
+    reference_model = _two_bn_model()
+    reference_model.load_state_dict(model.state_dict())
+    inputs = _bn_inputs(reference_model, batches, mode)
+    assert recompute_bn_statistics(model, batches, engine, mode) == 15
+    for layer, x in zip([model[1], model[4]], inputs):
+        flat = x.double().transpose(0, 1).reshape(x.shape[1], -1)
+        torch.testing.assert_close(layer.running_mean.double(), flat.mean(1), rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(layer.running_var.double(), flat.var(1), rtol=1e-5, atol=1e-6)
+    assert inputs[0].mean() > 900 and inputs[0].dtype == (torch.bfloat16 if precision == "bf16" else torch.float32)
+
+
+def test_the_bn_recomputation_makes_no_fp64_activation_and_one_transfer(monkeypatch):
+    """Every tensor the recomputation makes, seen at the dispatcher: none in fp64 is as large as a BN
+    layer's input (fp64 only for per-channel vectors); and the host sends it one tensor of counts
+    through to_device, whatever the number of layers, and makes no other transfer."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from helpers.transfers import counting_transfers
+    from train import bnstats
+
+    class Made(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.fp64_sizes = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            self.fp64_sizes += [t.numel() for t in torch.utils._pytree.tree_leaves(out)
+                                if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
+            return out
+
+    generator = torch.Generator().manual_seed(5)
+    batches = [torch.randn(n, 3, 10, 10, generator=generator) for n in (4, 6)]
+    model, engine = _two_bn_model(), SingleProcess(Config())
+    smallest_activation = min(x.numel() for x in _bn_inputs(_two_bn_model(), batches[:1], Precision("fp32", engine.device)))
+    sent, to_device = [], bnstats.to_device
+    monkeypatch.setattr(bnstats, "to_device", lambda tensor, device: sent.append(tensor.numel()) or to_device(tensor, device))
+    with Made() as made, counting_transfers() as transfers:
+        recompute_bn_statistics(model, batches, engine, Precision("fp32", engine.device))
+    assert made.fp64_sizes and max(made.fp64_sizes) < smallest_activation, (max(made.fp64_sizes), smallest_activation)
+    assert not transfers, transfers
+    assert sent == [2 + 1]  # one tensor: each layer's value count, and the images
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("launcher", ["torch", "horovod"])
 def test_recomputed_bn_statistics_span_all_ranks(launcher, tmp_path):

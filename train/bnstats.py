@@ -5,12 +5,14 @@
   the evaluated model and the saved model one and the same.
 - `recompute_bn_statistics` (--bn-recompute-batches K, Akiba et al.'s "BN without moving
   averages"): the running averages are replaced by the statistics of the last K training batches of
-  every rank, computed as if those batches were one: each BN layer's input summed per channel over
-  all of them (and their squares), all-reduced, then mean and unbiased variance.
+  every rank, computed as if those batches were one: each BN layer's input's mean and variance per
+  channel in every batch, combined exactly over the batches and the ranks (mean and unbiased variance).
 """
 from collections import deque
 
 import torch
+
+from data.transfer import to_device
 
 BN_TYPES = torch.nn.modules.batchnorm._NormBase
 
@@ -46,36 +48,56 @@ class RecentBatches:
 def recompute_bn_statistics(model, batches, engine, precision) -> int:
     """Replace every BN layer's running mean and variance by the statistics of its inputs over
     `batches` on all ranks (a forward pass in training mode, as the training steps saw them).
-    Returns the images used over all ranks; 0 (nothing changed) when no rank kept a batch."""
+    Returns the images used over all ranks; 0 (nothing changed) when no rank kept a batch.
+
+    Each batch's statistics are taken per channel in fp32 (as BatchNorm's own kernels take them) and
+    combined over the batches and the ranks exactly (Chan et al.'s pairwise update, in fp64 on
+    per-channel vectors): two sums over the ranks, the global means first, then the squared
+    deviations about them. The host sends one small tensor of counts and reads one number."""
     layers = _batchnorms(model)
-    sums = {m: [] for m in layers}
-    hooks = [m.register_forward_pre_hook(lambda m, args: sums[m].append(_moments(args[0]))) for m in layers]
+    moments = {m: [] for m in layers}  # per layer, of each batch: (values per channel, mean, M2)
+    hooks = [m.register_forward_pre_hook(lambda m, args: moments[m].append(_batch_moments(args[0]))) for m in layers]
     was_training = model.training
     model.train()
     try:
-        for images in batches:
+        for batch in batches:
             with precision.autocast():
-                model(images)
+                model(batch)
     finally:
         for hook in hooks:
             hook.remove()
         model.train(was_training)
-    local = [torch.stack(sums[m]).sum(0) if sums[m] else torch.zeros(2 * m.num_features + 1, dtype=torch.float64,
-                                                                      device=m.running_mean.device) for m in layers]
-    total = engine.all_reduce_sum(torch.cat(local)) if local else torch.zeros(0)
-    images = int(engine.all_reduce_sum(torch.tensor(sum(len(b) for b in batches), device=engine.device)).item())
+    if not layers:
+        return 0
+    device = layers[0].running_mean.device
+    counts = to_device(torch.tensor([sum(n for n, _, _ in moments[m]) for m in layers] + [sum(len(b) for b in batches)],
+                                    dtype=torch.float64), device)
+    channels = [m.num_features for m in layers]
+    sums = [_total([n * mean for n, mean, _ in moments[m]], m, device) for m in layers]
+    *sums, counts = engine.all_reduce_sum(torch.cat([*sums, counts])).split(channels + [len(layers) + 1])
+    images = int(counts[-1].item())
     if not images:
         return 0
-    for m, piece in zip(layers, total.split([2 * m.num_features + 1 for m in layers])):
-        count = piece[-1]
-        mean = piece[:m.num_features] / count
-        var = (piece[m.num_features:-1] / count - mean * mean).clamp_min(0) * count / (count - 1).clamp_min(1)
-        m.running_mean.copy_(mean)
-        m.running_var.copy_(var)
+    means = [total / count for total, count in zip(sums, counts)]  # over all ranks
+    squares = [_total([m2 + n * (mean - global_mean) ** 2 for n, mean, m2 in moments[m]], m, device)
+               for m, global_mean in zip(layers, means)]
+    squares = engine.all_reduce_sum(torch.cat(squares)).split(channels)
+    for m, mean, m2, count in zip(layers, means, squares, counts):  # (a layer no batch reached keeps its own)
+        m.running_mean.copy_(torch.where(count > 0, mean, m.running_mean))
+        m.running_var.copy_(torch.where(count > 0, m2 / (count - 1).clamp_min(1), m.running_var))  # unbiased, as BatchNorm keeps it
     return images
 
 
-def _moments(x: torch.Tensor) -> torch.Tensor:
-    """Per-channel sum and sum of squares of a BN input (N, C, ...) in float64, and the value count."""
-    x = x.detach().double().transpose(0, 1).reshape(x.shape[1], -1)
-    return torch.cat([x.sum(1), (x * x).sum(1), torch.tensor([x.shape[1]], dtype=torch.float64, device=x.device)])
+def _batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+    """A BN input's (N, C, ...) values per channel, and its per-channel mean and sum of squared
+    deviations (M2) as fp64 vectors, computed in fp32: a half-precision input is read as fp32 one
+    layer at a time, and no fp64 copy of the activation is made."""
+    values = x.detach() if x.dtype == torch.float32 else x.detach().float()
+    var, mean = torch.var_mean(values, dim=[0, *range(2, x.dim())], correction=0)
+    count = x.numel() // x.shape[1]
+    return count, mean.double(), var.double() * count
+
+
+def _total(vectors: list[torch.Tensor], layer, device) -> torch.Tensor:
+    """The sum of per-channel fp64 vectors (zeros for a rank that kept no batch)."""
+    return torch.stack(vectors).sum(0) if vectors else torch.zeros(layer.num_features, dtype=torch.float64, device=device)

@@ -6,6 +6,7 @@ import hashlib
 import torch
 
 from data.progress import Progress
+from data.transfer import to_device
 from models import build_model
 from train import checkpoint
 from train.config import Config
@@ -18,32 +19,49 @@ def replicas_differing(model, engine) -> int:
     for tensor in engine.unwrap(model).state_dict().values():
         digest.update(tensor.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy().tobytes())
     differs = digest.hexdigest() != engine.broadcast_object(digest.hexdigest())
-    return int(engine.all_reduce_sum(torch.tensor(int(differs), device=engine.device)).item())
+    return int(engine.all_reduce_sum(to_device(torch.tensor(int(differs)), engine.device)).item())
 
 
 @torch.no_grad()
 def evaluate(model, loader, precision, engine, flip: bool = False) -> tuple[float, float, int]:
     """(top-1, top-5, images) over the whole validation set: global correct / global total. With
-    `flip` (--eval-flip) each image's logits are the mean of its own and its mirror image's."""
+    `flip` (--eval-flip) each image's logits are the mean of its own and its mirror image's. A short
+    batch (the last, or one that lost an unreadable file) is padded to the loader's evaluation batch
+    size, so the model sees one shape (cuDNN's autotuner and torch.compile do not start again); the
+    padded rows are not counted."""
     model.eval()
     hits_so_far = torch.zeros(2, dtype=torch.int64, device=engine.device)  # top-1, top-5: on the device until the end
     images = 0
     share = -(-loader.val_images // engine.world_size)  # rank 0's images (its share, rounded up)
     said = Progress("evaluating", unit="batches", enabled=engine.rank == 0)
     for done, (batch, labels) in enumerate(loader.val_batches(), 1):
+        batch = padded(batch, loader.eval_batch_size)
         with precision.autocast():
             logits = model(batch)
             if flip:
                 logits = (logits + model(batch.flip(3))) / 2
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        top = logits[:len(labels)].topk(min(5, logits.shape[1]), dim=1).indices
         hits = top == labels[:, None]
         hits_so_far += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()])
         images += len(labels)
-        said.total = said.total or -(-share // len(labels))  # (the batch size, from the first batch)
+        said.total = said.total or -(-share // len(batch))  # (the batch size, from the first batch)
         said.tick(done)
-    counts = engine.all_reduce_sum(torch.cat([hits_so_far, hits_so_far.new_tensor([images])]))
+    counts = engine.all_reduce_sum(torch.cat([hits_so_far, to_device(torch.tensor([images]), engine.device)]))
     top1, top5, total = counts.tolist()
     return top1 / max(total, 1), top5 / max(total, 1), total
+
+
+def padded(batch: torch.Tensor, size: int) -> torch.Tensor:
+    """`batch` with zero images after its own up to `size` rows, in its memory layout (as it is when
+    it has them, or `size` is 0)."""
+    if len(batch) >= size:
+        return batch
+    layout = torch.channels_last if batch.dim() == 4 and batch.is_contiguous(memory_format=torch.channels_last) \
+        else torch.contiguous_format
+    whole = torch.empty((size, *batch.shape[1:]), dtype=batch.dtype, device=batch.device, memory_format=layout)
+    whole[:len(batch)] = batch
+    whole[len(batch):] = 0
+    return whole
 
 
 def test_only(cfg: Config) -> tuple[float, float, int]:

@@ -5,6 +5,8 @@ import time
 
 import torch
 
+from data.transfer import to_device
+
 
 class SampleLedger:
     """The positions of the epoch's global order trained so far, as count, sum and sum of squares: each
@@ -22,7 +24,7 @@ class SampleLedger:
 
     def total(self, engine) -> list[int]:
         """The epoch's total so far over all ranks (one small all-reduce; every rank calls it)."""
-        mine = engine.all_reduce_sum(torch.tensor(self.mine, dtype=torch.int64, device=engine.device)).tolist()
+        mine = engine.all_reduce_sum(to_device(torch.tensor(self.mine, dtype=torch.int64), engine.device)).tolist()
         self.saved, self.mine = [a + b for a, b in zip(self.saved, mine)], [0, 0, 0]
         return list(self.saved)
 
