@@ -5,6 +5,10 @@ No torch here, nor in what this imports (data.sources, data.index, data.shards, 
 reader process is spawned and imports what it unpickles, and torch with torchvision would cost every
 reader some 370 MB of private memory (about 40 MB without). So the epoch's order (torch.randperm, the
 torch loader's order) is drawn by the main process and handed over with the pass (PassRecord).
+
+Each sample travels with a row of meta (int64), whose columns are named below: the main process reads
+the label, the file and the skips; the pipeline reads the crop size and the evaluation transform's
+shorter side, so a crop-size change (progressive resizing) is a value of the pass, not of the graph.
 """
 import copy
 import os
@@ -17,6 +21,12 @@ import weakref
 import numpy as np
 
 from data.sources import complete_jpeg, complete_png, first_readable
+
+# meta's columns: the label, the file asked for, how many files from it on were skipped (a bad file's
+# place goes to the next readable one), the step served, the crop's side and the evaluation
+# transform's shorter side before its centre crop (both px)
+LABEL, FILE, SKIPPED, STEP, CROP, SHORT = range(6)
+META_COLUMNS = 6
 
 
 def encoded(source, index: int) -> tuple[np.ndarray, int] | None:
@@ -64,9 +74,9 @@ def packed(source):
 class PassRecord:
     """Which pass of the sampler the readers serve, in a small file that the main process writes and
     the reader processes map (they learn its name at unpickling, while the pipeline is built; the
-    file goes once they have it): (DALI's epoch index, first step, end step) and then this rank's
-    files of the epoch in order, `steps x batch` dataset indices."""
-    _HEAD = 3
+    file goes once they have it): (DALI's epoch index, first step, end step, crop side, shorter
+    side) and then this rank's files of the epoch in order, `steps x batch` dataset indices."""
+    _HEAD = 5
 
     def __init__(self, steps: int, batch: int):
         self.steps, self.batch = steps, batch
@@ -87,11 +97,13 @@ class PassRecord:
         self.__dict__.update(state)
         self._map("r")
 
-    def start(self, pass_index: int, order: np.ndarray, start_step: int) -> None:
-        """A new pass: this rank's files of the epoch (steps x batch), read from `start_step` on. DALI
-        asks its readers for the pass's first batches at the pass's first run, after this."""
+    def start(self, pass_index: int, order: np.ndarray, start_step: int, sides: tuple[int, int]) -> None:
+        """A new pass: this rank's files of the epoch (steps x batch), read from `start_step` on, and
+        its crop geometry (crop side, shorter side: every batch of the pass carries them). DALI asks its
+        readers for the pass's first batches at the pass's first run, after this; the pass index is
+        written last, so a reader that sees it sees the rest."""
         self.order[:] = order
-        self.head[1:] = (start_step, self.steps)
+        self.head[1:] = (start_step, self.steps, *sides)
         self.head[0] = pass_index
 
     def stop(self) -> None:
@@ -122,10 +134,10 @@ class TrainReader:
     """The training pipeline's parallel source, run in DALI's reader processes, a batch per call: the
     encoded bytes of this rank's batch at the pass's step (the order in the PassRecord), an
     unreadable file's place taken by the next readable one (first_readable, as the torch loader),
-    and meta, one row per sample: (label, the file asked for, how many files from it on were
-    skipped, the step served), from which the main process names and counts the skipped files and
-    learns which positions of the epoch's order the batch holds. Picklable: it holds
-    the source and the record, no reference to the loader."""
+    and meta, one row per sample (the columns above), from which the main process names and counts
+    the skipped files and learns which positions of the epoch's order the batch holds, and the
+    pipeline takes the pass's crop size. Picklable: it holds the source and the record, no reference
+    to the loader."""
 
     def __init__(self, source, record: PassRecord):
         self.source, self.record = source, record
@@ -137,13 +149,13 @@ class TrainReader:
             end_with(self.parent)
 
     def __call__(self, info):
-        pass_index, start_step, end_step = self.record.head.tolist()
+        pass_index, start_step, end_step, crop, short = self.record.head.tolist()
         step = start_step + info.iteration
         if info.epoch_idx != pass_index or step >= end_step:  # the pass's end, or a task from an earlier pass
             raise StopIteration
-        payloads, meta = [], np.empty((self.record.batch, 4), dtype=np.int64)
+        payloads, meta = [], np.empty((self.record.batch, META_COLUMNS), dtype=np.int64)
         for slot, index in enumerate(self.record.order[step].tolist()):
             (payload, label), skipped = first_readable(self.source, index, lambda p: encoded(self.source, p))
             payloads.append(payload)
-            meta[slot] = label, index, len(skipped), step
+            meta[slot] = label, index, len(skipped), step, crop, short
         return payloads, meta

@@ -2,6 +2,7 @@
 the torchvision pipeline on the same real JPEG files."""
 import io
 import shutil
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -10,9 +11,10 @@ import torch
 from PIL import Image
 
 from helpers import read_metrics, run_train
-from data.dali import DaliLoader
+from data.dali import DaliLoader, crop_sides
 from data.embedded import ensure_embedded
 from data.loaders import eval_geometry
+from data.transfer import to_device
 from data.tree import check_tree
 from data.torch_loader import TorchLoader
 from train.config import Config
@@ -178,10 +180,13 @@ def test_the_torch_loaders_boxes_are_torchvisions_and_dali_computes_the_same(tmp
     tree = tiny_tree(tmp_path)
     for size in (32, 33, 224):
         dali = loaders(tree, image_size=size)[0]
+        sides = [np.array(crop_sides(size), dtype=np.int64)] * len(payloads)  # per sample, as the pipeline gets them
 
         @pipeline_def(batch_size=len(payloads), num_threads=1, device_id=None)
         def boxes():
-            return dali._eval_geometry(fn.external_source(source=lambda: payloads, batch=True, dtype=types.UINT8), size)
+            jpegs, crop_and_short = fn.external_source(source=lambda: (payloads, sides), num_outputs=2, batch=True,
+                                                       dtype=[types.UINT8, types.INT64])
+            return dali._eval_geometry(jpegs, crop_and_short[0], crop_and_short[1])
         pipe = boxes()
         pipe.build()
         computed = [tuple(int(np.asarray(out.at(i))) for out in pipe.run()) for i in range(len(shapes))]
@@ -240,3 +245,84 @@ def test_eval_image_size_sets_both_loaders_evaluation_crops_and_leaves_training_
         expected = (EvalCrop(48)(Encoded(payload, "x")).float() - mean_255) / STD_255[0]
         assert ((first - expected).abs() * STD_255[0]).max() <= RESAMPLING_LEVELS
     assert eval_levels(dali, torch_loader).max() <= RESAMPLING_LEVELS
+
+
+# DALI on a GPU, as far as DALI's CPU operators show it ---------------------------------------------
+@pytest.mark.parametrize("precision, channels_last", [("fp32", False), ("fp16", True), ("bf16", True), ("bf16", False)])
+def test_batches_come_in_the_runs_precision_and_layout(smooth_tree, precision, channels_last):
+    """fp16 and bf16 runs get half-precision batches (bf16 as DALI's fp16 cast once: DALI has no bf16),
+    fp32 runs fp32; channels_last strides only when the run asks for them, else NCHW contiguous. The
+    values are the fp32 batches' rounded to the type (bf16 after fp16: rounded twice)."""
+    dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[precision]
+    tolerance = {"fp32": (0, 0), "fp16": (2 ** -10, 2 ** -14), "bf16": (2 ** -7, 2 ** -10)}[precision]  # rtol, atol
+    dali = loaders(smooth_tree, precision=precision, channels_last=channels_last)[0]
+    reference = loaders(smooth_tree)[0]  # fp32, channels_last
+
+    def right_kind(images, size=32):
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        return (images.dtype == dtype and images.shape[1:] == (3, size, size)
+                and images.is_contiguous(memory_format=layout))
+    pairs = list(zip(dali.val_batches(), reference.val_batches(), strict=True))
+    for (images, labels), (expected, expected_labels) in pairs:
+        assert right_kind(images) and torch.equal(labels, expected_labels)
+        torch.testing.assert_close(images.float(), expected, rtol=tolerance[0], atol=tolerance[1])
+    assert all(right_kind(images) for images, _ in dali.train_batches(epoch=0))
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_dalis_images_reach_torch_without_a_copy_and_bf16_with_one_cast(smooth_tree, precision):
+    """The batch the loop gets is DALI's output buffer itself (DLPack), in DALI's fp16 for fp16 runs and
+    fp32 for fp32 runs; a bf16 run's batch is the one cast of DALI's fp16 (a new buffer)."""
+    from nvidia.dali import types
+    dali = loaders(smooth_tree, precision=precision)[0]
+    payloads = [np.fromfile(dali.val_source.name(i), dtype=np.uint8) for i in range(4)]
+    meta = [np.array([0, i, 0, 0, *crop_sides(32)], dtype=np.int64) for i in range(4)]
+    pipe = dali._pipeline(lambda: (payloads, meta), 4, 0, augment=False)
+    pipe.build()
+    images, _ = pipe.run()
+    written, batch = images.as_tensor(), dali._images(images)
+    assert written.dtype == (types.FLOAT if precision == "fp32" else types.FLOAT16)
+    assert batch.shape == (4, 3, 32, 32) and batch.dtype == {"fp32": torch.float32, "fp16": torch.float16,
+                                                            "bf16": torch.bfloat16}[precision]
+    assert (batch.data_ptr() == written.data_ptr()) == (precision != "bf16")
+
+
+def test_evaluation_files_are_read_off_the_main_thread(smooth_tree):
+    """The main thread only hands DALI the evaluation files that the reader threads read."""
+    dali = loaders(smooth_tree)[0]
+    readers, read = [], dali.val_source.read
+
+    def reading(index):
+        readers.append(threading.current_thread())
+        return read(index)
+    dali.val_source.read = reading
+    evaluated = sum(len(labels) for _, labels in dali.val_batches())
+    assert evaluated == len(readers) == 15
+    assert threading.main_thread() not in readers
+    assert {thread.name.rpartition("_")[0] for thread in readers} == {"dali-eval-reader"}
+
+
+def test_labels_reach_the_device_through_to_device(smooth_tree, monkeypatch):
+    """Every batch's labels, training and evaluation, pass data/transfer.py's to_device (the one way
+    host data reaches the device: pinned, non_blocking)."""
+    import data.dali
+    passed = []
+
+    def passing(tensor, device):
+        passed.append(tensor)
+        return to_device(tensor, device)
+    monkeypatch.setattr(data.dali, "to_device", passing)
+    dali = loaders(smooth_tree)[0]
+    labels = [y for _, y in dali.val_batches()] + [y for _, y in dali.train_batches(epoch=0)]
+    assert len(labels) == len(passed) == 4 + 18 // 4 and all(a is b for a, b in zip(labels, passed))
+
+
+@pytest.mark.parametrize("workers, decode, threads", [(4, "auto", 6), (8, "auto", 8), (4, "cpu", 4)])
+def test_on_a_gpu_nvjpeg_gets_enough_dali_threads(smooth_tree, workers, decode, threads):
+    """With nvJPEG decoding, DALI's CPU threads per GPU are at least GPU_DECODE_THREADS, NVIDIA's MLPerf
+    setting (--workers' default is 4), more if --workers asks; decoding on the CPU, --workers. (The
+    loader touches no GPU before its first batch.)"""
+    cfg = Config(data_dir=str(smooth_tree), image_size=32, batch_size=4, workers=workers, dali_decode=decode)
+    dali = DaliLoader(cfg, check_tree(str(smooth_tree)), 0, 1, torch.device("cuda", 0))
+    assert dali.decode_device == ("cpu" if decode == "cpu" else "mixed")
+    assert dali.pipeline_kwargs["num_threads"] == threads

@@ -1,6 +1,7 @@
 """The DALI loader's training feed, read in DALI's reader processes: the same files and labels per rank,
 epoch and first step as the torch loader (the shared sampler), unreadable files skipped and counted
-once per epoch, and one pipeline for the whole run."""
+once per epoch, and one pipeline for the whole run, whatever the crop size; batches that are DALI's
+own buffers and stay intact while it runs on."""
 import gc
 import os
 import shutil
@@ -76,6 +77,7 @@ def assert_same_files(dali, torch_loader, epoch, start_step=0):
     reference, reference_labels, reference_sizes, reference_positions = batches(torch_loader, epoch, start_step,
                                                                                 augment=False)
     assert labels.tolist() == reference_labels.tolist() and sizes == reference_sizes
+    assert images.shape == reference.shape  # (the crop size: the torch loader's current one)
     assert positions == reference_positions  # what the run's sample ledger counts
     levels = (images - reference).abs() * STD_255  # back to 0-255 pixel levels
     assert levels.flatten(1).mean(1).max() < 5 and levels.max() < 20, float(levels.flatten(1).mean(1).max())
@@ -159,13 +161,50 @@ def _children(pid: int) -> list[int]:
     return [int(child) for task in tasks.iterdir() for child in (task / "children").read_text().split()]
 
 
+def _reader_processes() -> set[int]:
+    """This process's DALI reader processes (spawned: `spawn_main` in their command line)."""
+    return {pid for pid in _children(os.getpid())
+            if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")}
+
+
+def test_a_crop_size_change_keeps_the_pipeline_and_its_readers(tree):
+    """Progressive resizing: the crop size is an input of each pass, not of the graph, so a change
+    builds no pipeline and spawns no reader, and the batches after it have the new size: random
+    crops, and the evaluation transform of the training files, pixel for pixel the torch loader's."""
+    dali, torch_loader = pair(tree, batch_size=4)
+    assert batches(dali, 0)[0].shape[1:] == (3, 32, 32)
+    readers = _reader_processes()
+    for loader in (dali, torch_loader):
+        loader.set_image_size(48)
+    images, labels, _, _ = batches(dali, 1)
+    assert images.shape[1:] == (3, 48, 48) and labels.tolist() == batches(torch_loader, 1)[1].tolist()
+    assert dali.builds == 1 and not _reader_processes() - readers
+    for size in (48, 40):  # the evaluation transform's pipeline: built once, for both sizes
+        for loader in (dali, torch_loader):
+            loader.set_image_size(size)
+        assert_same_files(dali, torch_loader, epoch=2)
+    assert torch_loader.train_size == 40 and dali.builds == 2
+
+
+def test_a_batch_stays_as_dali_wrote_it_while_dali_runs_on(tree):
+    """The loop's batch is DALI's own output buffer (no copy): DALI must not reuse it while the batch
+    is held, however many batches it makes meanwhile."""
+    dali, _ = pair(tree, batch_size=4)
+    epoch = dali.train_batches(0)
+    first, _ = next(epoch)
+    kept = first.clone()
+    for _ in epoch:
+        pass
+    batches(dali, 1)
+    assert torch.equal(first, kept)
+
+
 def test_the_reader_processes_do_not_load_torch(tree):
     """Each reader is a spawned process that imports what it unpickles; torch there would cost every
     reader some 370 MB. Its mapped libraries say whether it was imported."""
     dali, torch_loader = pair(tree, batch_size=4)
     assert batches(dali, 0)[1].tolist() == batches(torch_loader, 0)[1].tolist()
-    readers = [pid for pid in _children(os.getpid())
-               if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")]
+    readers = sorted(_reader_processes())
     assert len(readers) == 1  # --workers 1 (pair)
     maps = Path(f"/proc/{readers[0]}/maps").read_text()
     assert "libdali" in maps and "libtorch" not in maps

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from data.dali import DaliLoader, _parallel_source, _Passes  # noqa: E402
+from data.dali import DaliLoader, _parallel_source, _Passes, crop_sides  # noqa: E402
 from data.dali_reader import PassRecord, TrainReader, encoded, packed  # noqa: E402
 from data.sources import first_readable  # noqa: E402
 from data.sharding import epoch_seed  # noqa: E402
@@ -34,8 +34,8 @@ from train.config import Config  # noqa: E402
 
 def main_thread_feed(loader, batches):
     """The previous feed: each file read and checked on the main thread, the next readable one taking
-    a bad one's place."""
-    counted = set()
+    a bad one's place; meta in data/dali_reader.py's columns, as the pipeline reads them."""
+    counted, sides = set(), crop_sides(loader.train_size)
     for batch in batches:
         payloads, meta = [], []
         for index, _ in batch:
@@ -43,7 +43,7 @@ def main_thread_feed(loader, batches):
                                                        lambda position: encoded(loader.train_source, position))
             loader._note_skipped(skipped, counted)
             payloads.append(payload)
-            meta.append(np.array([label, index, 0], dtype=np.int64))
+            meta.append(np.array([label, index, 0, 0, *sides], dtype=np.int64))
         yield payloads, meta
 
 
@@ -60,7 +60,7 @@ class _MainThreadFeed(DaliLoader):
         feed = main_thread_feed(self, iter(self.sampler))
         seed = (epoch_seed(self.cfg.seed, epoch) * 1009 + self.rank) % (1 << 31)
         start = time.thread_time()
-        pipe = self._pipeline(lambda: next(feed), self.sampler.batch_size, seed, augment, self.train_size)
+        pipe = self._pipeline(lambda: next(feed), self.sampler.batch_size, seed, augment)
         pipe.build()
         self.build_seconds += time.thread_time() - start
         while True:
@@ -119,7 +119,7 @@ def feed_alone_readers(loader, workers: int, epochs_: int) -> float:
         if epoch == 1:
             start, images = time.perf_counter(), 0
         token = passes.begin()
-        record.start(passes.count, loader._rank_order(epoch), 0)
+        record.start(passes.count, loader._rank_order(epoch), 0, crop_sides(loader.train_size))
         for _, meta in passes.outputs(token):
             images += len(meta)
     return images / (time.perf_counter() - start)
