@@ -30,7 +30,8 @@ def fitting_batch(memory_bytes: float, params: int, image_size: int, precision: 
     return max(0, int(free // per_image))
 
 
-def fitting_power_of_two(memory_bytes: float, params: int, image_size: int, precision: str, limit: int) -> int:
-    """The largest power of two up to `limit` that fitting_batch allows (0: not one image)."""
+def fitting_multiple(memory_bytes: float, params: int, image_size: int, precision: str, multiple: int,
+                     limit: int) -> int:
+    """The largest multiple of `multiple` up to `limit` that fitting_batch allows (0: not one such batch)."""
     fits = min(fitting_batch(memory_bytes, params, image_size, precision), limit)
-    return 1 << (fits.bit_length() - 1) if fits else 0
+    return fits - fits % multiple

@@ -96,3 +96,73 @@ def test_compile_mode_takes_torchs_mode_names():
     with pytest.raises(UsageError, match="unknown --compile-mode 'fast'; choose default, reduce-overhead, "
                                          "max-autotune or max-autotune-no-cudagraphs"):
         parse(["--compile-mode", "fast"])
+
+
+def test_a_run_counts_one_shape_per_crop_size_and_per_rank_batch_and_one_per_evaluation_mode():
+    """run_shapes, which sizes the compile limit: the ffcv-rn50-88ep preset's ramp (160 and 192 px) and
+    evaluation make 3 shapes; a batch schedule on 4 ranks adds a per-rank batch for the epochs after
+    its change; BatchNorm's recomputation one more; no evaluation, one less."""
+    from train.cli import parse
+    from train.compiled import run_shapes
+    from train.schedule import EpochClock, build_schedule
+
+    def shapes(*flags, ranks=1):
+        cfg = parse(["--preset", "ffcv-rn50-88ep", *map(str, flags)])
+        return run_shapes(cfg, build_schedule(cfg, EpochClock.of(cfg, 1_281_167)), ranks)
+    assert shapes() == 3
+    assert shapes("--batch-schedule", "70:2048", ranks=4) == 4  # (160, 256), (192, 256), (192, 512), eval
+    assert shapes("--bn-recompute-batches", 4) == 4
+    assert shapes("--eval-every", 0) == 2
+
+@pytest.fixture
+def fresh_dynamo(monkeypatch):
+    """Dynamo without what other tests compiled, its limit restored afterwards; a small limit stands in
+    for torch's 8 (fewer shapes, the same rule)."""
+    import torch._dynamo
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.slow(seconds=10)  # (16 s at a load of 10 on 2 cores: Dynamo tracing ResNet-18 four times)
+def test_a_resolution_ramp_compiles_once_per_crop_size_and_no_shape_past_the_runs(fresh_dynamo):
+    """The trainer's model under compile_in_place through a run of a resolution ramp (16, 24, 32 px)
+    with an evaluation each epoch: one graph per crop size and one for the evaluation, each compiled
+    once, more than the limit (2 here) allows by itself; a shape the run does not make then runs
+    eagerly, compiling nothing. (A backend that only records what it is given keeps it cheap.) Fails
+    with torch's automatic dynamic shapes (the second size compiles once more with sizes as
+    variables, the third not at all) and with the limit left as it was (the third size runs eagerly)."""
+    from train.compiled import compile_in_place, run_shapes
+    from train.config import Config
+    from train.schedule import EpochClock, build_schedule
+    cfg = Config(image_size=16, resolution_schedule="16:32:0:2:8", epochs=3, global_batch_size=4, eval_every=1,
+                 lr=1.0, warmup_epochs=0)
+    schedule = build_schedule(cfg, EpochClock.of(cfg, 8))
+    sizes = [schedule.image_size(epoch) for epoch in range(cfg.epochs)]
+    assert sizes == [16, 24, 32] and run_shapes(cfg, schedule, world_size=1) == 4
+    compiled = []  # per graph compiled: the shape of its images and whether it trains
+
+    def recording(graph, inputs):
+        images = [tuple(t.shape) for t in inputs if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[1] == 3
+                  and t.shape[0] == 4]
+        compiled.append((images, torch.is_grad_enabled()))
+        return graph.forward
+
+    model = build_model("resnet18", 10)
+    compile_in_place(model, "default", run_shapes(cfg, schedule, 1), backend=recording)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    images = lambda size: torch.randn(4, 3, size, size).contiguous(memory_format=torch.channels_last)  # noqa: E731
+    for size in sizes:
+        for _ in range(2):
+            model(images(size)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            model(images(32))
+        model.train()
+    assert compiled == [([(4, 3, 16, 16)], True), ([(4, 3, 32, 32)], False), ([(4, 3, 24, 24)], True),
+                        ([(4, 3, 32, 32)], True)]
+    model(images(40)).sum().backward()  # not a shape of the run: past the limit, eagerly
+    assert len(compiled) == 4

@@ -2,7 +2,8 @@
 none; scripts/gpu_check.sh runs the real one): the precision by compute capability (fp16 with loss
 scaling below 8.0, where bf16 would be emulated; bf16 from 8.0), the loader (DALI decoding on the GPU
 where DALI's CUDA build is there, else torch with a line saying why), and the per-GPU batch (the largest
-power of two up to 256 that fits the GPU's memory, by the planner's memory model)."""
+multiple of 16 up to 512 that fits the GPU's memory, by the memory model, models/memory.py)."""
+import functools
 from types import SimpleNamespace
 
 import pytest
@@ -15,6 +16,7 @@ from train.precision import explain, resolve
 
 GPU = torch.device("cuda", 0)
 CPU = torch.device("cpu")
+RESNET50_PARAMETERS = 25_557_032  # torchvision's ResNet-50
 
 
 @pytest.fixture
@@ -79,16 +81,55 @@ def test_the_header_names_the_loader_in_its_own_words():
     assert loader_summary("synthetic", "auto", 4, GPU) == "synthetic"
 
 
-@pytest.mark.parametrize("memory_gib, precision, expected", [
-    (16, "fp16", 256), (16, "bf16", 256), (16, "fp32", 128),  # V100-16GB: as NVIDIA's own recipes take it
-    (8, "fp16", 128), (8, "fp32", 64), (80, "fp32", 256), (141, "bf16", 256)])
-def test_the_per_gpu_batch_is_the_largest_power_of_two_that_fits(fake_gpu, memory_gib, precision, expected):
-    fake_gpu((7, 0), memory_gib=memory_gib)
+@functools.lru_cache(maxsize=None)
+def kept_bytes_per_image(precision: str) -> float:
+    """What backward keeps of one 224 px image, counted here on ResNet-50 (docs/planner.md, Memory): the
+    input, each convolution's, BatchNorm's and the max-pool's output; 2 bytes a value in fp16 and
+    bf16, 4 in fp32."""
+    from models import build_model
+    counted = [3 * 224 * 224]
+
+    def count(module, inputs, output):
+        counted[0] += output.numel()
+    net = build_model("resnet50").to("meta")
+    for module in net.modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.MaxPool2d)):
+            module.register_forward_hook(count)
+    net(torch.zeros(1, 3, 224, 224, device="meta"))
+    return counted[0] * (4 if precision == "fp32" else 2)
+
+
+def step_fits(batch: int, memory_bytes: float, precision: str) -> bool:
+    """The memory model's sum (docs/planner.md): activations, 16 bytes per parameter, a 2 GB reserve."""
+    return batch * kept_bytes_per_image(precision) + 16 * RESNET50_PARAMETERS + 2e9 <= memory_bytes
+
+
+@pytest.mark.parametrize("capability, name, memory_gib, precision, expected", [
+    ((7, 0), "Tesla V100-SXM2-16GB", 16, "fp16", 320), ((7, 0), "Tesla V100-SXM2-16GB", 16, "fp32", 160),
+    ((8, 0), "NVIDIA A100-SXM4-40GB", 40, "bf16", 512), ((8, 0), "NVIDIA A100-SXM4-40GB", 40, "fp16", 512),
+    ((8, 0), "NVIDIA A100-SXM4-80GB", 80, "bf16", 512), ((9, 0), "NVIDIA H100 80GB HBM3", 80, "bf16", 512),
+    ((9, 0), "NVIDIA H200", 141, "bf16", 512), ((8, 6), "a GPU of 8 GiB", 8, "fp16", 128)])
+def test_the_per_gpu_batch_is_the_largest_multiple_of_16_up_to_512_that_fits(fake_gpu, capability, name, memory_gib,
+                                                                              precision, expected):
+    """At 224 px: the batch fits by the model's own per-image figure, counted here, and 16 more would
+    not (or it is 512, the most the rule takes)."""
+    fake_gpu(capability, name, memory_gib)
+    memory = memory_gib * 2 ** 30
     batch, note = default_batch(GPU, precision, 224, "resnet50")
-    assert batch == expected
-    assert f"batch {expected} per GPU" in note and f"{memory_gib} GiB" in note and precision in note
-    assert default_batch(GPU, "fp16", 112, "resnet50")[0] == 256  # a quarter of the pixels: more fits, still 256 at most
+    assert batch == expected and batch % 16 == 0
+    assert step_fits(batch, memory, precision) and (batch == 512 or not step_fits(batch + 16, memory, precision))
+    assert note == (f"batch {expected} per GPU: the largest multiple of 16 up to 512 whose {precision} step fits its "
+                    f"{memory_gib} GiB")
+
+
+def test_the_per_gpu_batch_follows_the_crop_and_stays_256_on_a_cpu(fake_gpu):
+    fake_gpu((7, 0))  # 16 GiB
+    assert default_batch(GPU, "fp16", 112, "resnet50")[0] == 512  # a quarter of the pixels: 4 x 328 fit, 512 at most
+    assert default_batch(GPU, "fp16", 448, "resnet50")[0] == 80  # four times the pixels: 82 fit
     assert default_batch(CPU, "fp32", 224, "resnet50") == (256, "")
+    fake_gpu((7, 0), memory_gib=2)  # not even 16 images beside the 2 GB reserve
+    with pytest.raises(UsageError, match="not 16 images of 224 px fit the 2 GiB of this GPU"):
+        default_batch(GPU, "fp16", 224, "resnet50")
 
 
 def test_dali_decoding_on_the_gpu_without_one_is_one_line(tmp_path):

@@ -59,6 +59,19 @@ def node_summary(hosts: list[str]) -> tuple[str, dict]:
             {"nodes": len(counts), "ranks_per_node": 0, "ranks_on_nodes": ranks})
 
 
+def discount_compiles(watchdog: Watchdog) -> None:
+    """torch.compile's compiles are the rank's own work, not a wait on the other ranks, and the first
+    steps of a compiled run are mostly compiling: the forward compiles before the engine's step, but
+    the backward compiles inside backward (torch compiles it when it first runs), within the gradient
+    all-reduce's wait; a new input shape compiles both again, and --lars-compile's update compiles in
+    the optimizer step. None of that counts towards TRAINER_COLLECTIVE_TIMEOUT_S (docs/compile.md):
+    Dynamo tells when compiling starts and ends, for the forward, the backward and the recording of
+    CUDA graphs."""
+    from torch._dynamo import callback_handler
+    callback_handler.register_start_callback(lambda _: watchdog.compiling(True))
+    callback_handler.register_end_callback(lambda _: watchdog.compiling(False))
+
+
 class Topology:
     """Node layout: consecutive ranks share a node. ranks_per_node 0 = measured from host names."""
     watchdog = None
@@ -69,6 +82,8 @@ class Topology:
         address (train/engines/network.py), then the node layout from the host names."""
         if self.watchdog is None:  # (once per process: Horovod Elastic meets again after a change)
             self.watchdog = Watchdog(collective_timeout(), interface_address(os.environ.get("TRAINER_IFACE")))
+            if cfg.compile or cfg.lars_compile:
+                discount_compiles(self.watchdog)
         everyone = gather((socket.gethostname(), *self.watchdog.listener.getsockname()[:2]))
         self.hosts = [host for host, _, _ in everyone]
         self.watchdog.meet(self.rank, [(rank, host, address, port) for rank, (host, address, port) in enumerate(everyone)])

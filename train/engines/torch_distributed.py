@@ -8,6 +8,7 @@ import os
 import weakref
 
 import torch
+from torch.profiler import record_function
 
 from train.engines.launch import detect_launch, local_device
 from train.engines.network import collective_timeout, set_library_timeouts, watch_refusals
@@ -75,17 +76,10 @@ class TorchDistributed(Topology):
 
     def wrap(self, model, optimizer):
         from torch.nn.parallel import DistributedDataParallel
-        options = inspect.signature(DistributedDataParallel).parameters
-        # no per-step broadcast of BN buffers: each rank keeps its own running statistics, as the
-        # single-process run would (DDP still copies rank 0's parameters and buffers at construction,
-        # unless --init-from-seed, where the ranks' own models are checked to agree instead)
-        kwargs = {"forward_sync_buffers": False} if "forward_sync_buffers" in options else {"broadcast_buffers": False}
         if self.cfg.init_from_seed:
             self._check_same_model(model)
-            if "init_sync" in options:
-                kwargs["init_sync"] = False
-        ddp = DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                                      gradient_as_bucket_view=True, **kwargs)
+        options = ddp_options(self.cfg, self.device, inspect.signature(DistributedDataParallel).parameters)
+        ddp = DistributedDataParallel(model, **options)
         wire = self._wire().dtype
         if self.cfg.allreduce != "flat":
             ddp.register_comm_hook(self._two_level_state(), self._two_level_hook)
@@ -97,9 +91,13 @@ class TorchDistributed(Topology):
         return ddp, optimizer
 
     def step(self, loss, optimizer, precision) -> None:
+        """Backward (DDP averages the gradients during it, bucket by bucket) and the optimizer step, each
+        a named range of a profiler trace."""
         with self._waiting("the gradient all-reduce"):
-            precision.backward(loss)  # DDP averages the gradients during backward
-            precision.step(optimizer)
+            with record_function("backward"):
+                precision.backward(loss)
+            with record_function("optimizer"):
+                precision.step(optimizer)
 
     def unwrap(self, model):
         return model.module
@@ -223,6 +221,27 @@ class TorchDistributed(Topology):
 
     def shutdown(self):
         self.dist.destroy_process_group()
+
+
+def ddp_options(cfg, device: torch.device, accepted) -> dict:
+    """DistributedDataParallel's keyword arguments for this run (`accepted`: the names this torch's DDP
+    takes; docs/allreduce.md says why each):
+    - no per-step broadcast of BN buffers: each rank keeps its own running statistics, as the
+      single-process run would (DDP still copies rank 0's parameters and buffers at construction,
+      unless --init-from-seed, where the ranks' own models were checked to agree instead);
+    - gradients as views into DDP's buckets (no copy into them);
+    - static_graph (--ddp-static-graph; auto: on GPUs): every step uses the same parameters the same
+      way, without control flow that depends on the step. Gradient accumulation, should it come, must
+      turn it off: DDP's static graph cannot be combined with no_sync, with which accumulation would
+      skip the all-reduce of the steps in between;
+    - DDP's own bucket sizes: up to 1 MiB for the first bucket (the last layers' gradients, ready first,
+      so the first all-reduce starts early), up to 25 MiB for the others."""
+    options = {"device_ids": [device.index] if device.type == "cuda" else None, "gradient_as_bucket_view": True,
+               "static_graph": cfg.ddp_static_graph == "on" or (cfg.ddp_static_graph == "auto" and device.type == "cuda")}
+    options["forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"] = False
+    if cfg.init_from_seed and "init_sync" in accepted:
+        options["init_sync"] = False
+    return options
 
 
 class _TwoLevelHookState:

@@ -70,6 +70,14 @@ class Watchdog:
             if self._depth == 0:
                 self._page[:8] = struct.pack("d", 0.0)
 
+    def compiling(self, started: bool) -> None:
+        """A compile of this rank's own (torch.compile's, told by train/engines/topology.py) is work, not
+        a wait on the others: a wait under way stops counting when it starts (started), and counts
+        again from its end. (It may be told from autograd's thread, while the rank's thread waits in
+        backward, inside the wait.)"""
+        if self._depth:
+            self._page[:8] = struct.pack("d", 0.0 if started else time.monotonic())
+
 
 def unreachable(rank: int, peers) -> list[tuple[int, str]]:
     """(rank, host) of the other ranks whose liveness port does not accept a connection now."""
