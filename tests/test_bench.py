@@ -8,6 +8,7 @@ memory (synthetic batches) and one from a real slow input: a --workers 1 torch l
 or one decoding 2400x1800 photos-like JPEGs on two threads while the step computes on both cores,
 which keeps up (no wait) but slows the step, and only the step timed again with the loader idle shows
 it."""
+import gzip
 import json
 
 import numpy as np
@@ -64,6 +65,49 @@ def test_the_train_report_has_exactly_its_keys(synthetic):
     assert 0 <= synthetic["data_wait_ms_p50"] <= synthetic["data_wait_ms_p95"]
     assert 0 < synthetic["compute_ms_p50"] <= synthetic["compute_ms_p95"]
     assert synthetic["compute_alone_ms_p50"] > 0 and synthetic["input_cost_ms_p50"] >= 0
+
+
+STEP_RANGES = ["data wait", "forward", "backward", "optimizer"]  # one process: no all-reduce to wait for
+
+
+@pytest.mark.slow(seconds=15)
+def test_profile_writes_a_gzipped_chrome_trace_of_measured_steps_with_the_named_ranges(tmp_path):
+    """--profile: rank 0's trace-rank0.json.gz, Chrome trace JSON (what Perfetto and TensorBoard's
+    trace viewer open), holding the first measured steps but not the last (the step alone is timed
+    after it), each step's named ranges inside its step, in the order the step runs them."""
+    train_report(tmp_path, "profiled", "--profile", tmp_path / "traces", steps=3)
+    assert sorted(p.name for p in (tmp_path / "traces").iterdir()) == ["trace-rank0.json.gz"]
+    with gzip.open(tmp_path / "traces" / "trace-rank0.json.gz", "rt") as trace:
+        events = [e for e in json.load(trace)["traceEvents"] if e.get("ph") == "X"]
+    steps = sorted((e for e in events if e["name"].startswith("ProfilerStep#")), key=lambda e: e["ts"])
+    assert len(steps) == 2, [e["name"] for e in steps]  # measured steps 1 and 2 of 3
+    named = [e for e in events if e["cat"] == "user_annotation" and e["name"] in (*STEP_RANGES, "all-reduce")]
+    for step in steps:
+        inside = sorted((e for e in named if step["ts"] <= e["ts"] and e["ts"] + e["dur"] <= step["ts"] + step["dur"]),
+                        key=lambda e: e["ts"])
+        assert [e["name"] for e in inside] == STEP_RANGES, [e["name"] for e in inside]
+    assert len(named) == 2 * len(STEP_RANGES)  # (none outside the profiled steps)
+
+
+def test_the_profile_holds_the_first_measured_steps_but_not_the_last(tmp_path):
+    """ProfileTrace (train/bench_hooks.py) told of each step as the loop tells it, each step here a named
+    range: 2 warm-up and 3 measured steps keep measured steps 1 and 2 (after the last, the step alone
+    is timed), the warm-up steps dropped."""
+    from types import SimpleNamespace
+
+    import torch
+    from train.bench_hooks import ProfileTrace
+    trace = ProfileTrace(tmp_path, warmup_steps=2, steps=3)
+    trace.run_started(SimpleNamespace(engine=SimpleNamespace(rank=0, device=torch.device("cpu"))))
+    for step in range(1, 6):
+        with torch.profiler.record_function(f"step {step}"):
+            torch.ones(4).add_(1)
+        trace.step_done(step, None)
+    trace.close()
+    assert trace.written == tmp_path / "trace-rank0.json.gz"
+    with gzip.open(trace.written, "rt") as file:
+        names = {e["name"] for e in json.load(file)["traceEvents"] if e.get("cat") == "user_annotation"}
+    assert sorted(name for name in names if name.startswith("step ")) == ["step 3", "step 4"]
 
 
 @pytest.mark.slow(seconds=40)

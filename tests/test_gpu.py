@@ -1,17 +1,19 @@
 """GPU paths (fp16 with loss scaling, bf16 autocast and channels_last on cuDNN, DALI 'mixed'
 decoding, the torch loader's pinned batches): marked `gpu` and skipped without CUDA;
-scripts/gpu_check.sh runs them where a GPU is lent. Their CPU twins are test_bf16_on_cpu_trains,
+scripts/gpu_check.sh runs them on a GPU node. Their CPU twins are test_bf16_on_cpu_trains,
 the fp32 end-to-end tests and test_dali.py's comparison of the two loaders.
-The last tests run on a CPU: how scripts/gpu_check.sh reports these tests and refuses a machine without CUDA."""
+The last tests run on a CPU: how scripts/gpu_check.sh reports these tests, refuses a machine without
+CUDA, and rehearses the whole check on a bare GPU node's stack (its dry run)."""
 import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
-from helpers import REPO, read_metrics, run_train
+from helpers import REPO, read_metrics, run_module, run_train
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 DALI_ABSENT = "DALI absent"  # scripts/gpu_check.sh reports this skip as such, and fails on any other
@@ -97,9 +99,26 @@ def test_dali_mixed_decoding_and_the_pinned_torch_loader_agree_on_gpu(tmp_path, 
     assert images.shape == (8, 3, 64, 64) and images.is_cuda and labels.is_cuda
 
 
-def gpu_check(*args, **env) -> subprocess.CompletedProcess:
+@pytest.mark.gpu
+@needs_cuda
+def test_a_cuda_trace_counts_the_kernels_each_range_launched(tmp_path):
+    """The GPU twin of test_gpu_figures.py's hand-made trace: the bench's real CUDA trace, in which the
+    GPU check counts the kernels launched inside the LARS step's "optimizer" range (and the forward's)."""
+    sys.path.insert(0, str(REPO / "scripts"))
+    import gpu_figures
+    done = run_module("train.bench", "train", "--arch", "resnet18", "--image-size", 32, "--batch-size", 8,
+                      "--warmup-steps", 1, "--steps", 3, "--report", tmp_path / "bench.json", "--profile",
+                      tmp_path / "traces", cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    trace = tmp_path / "traces" / "trace-rank0.json.gz"
+    lars, forward = (gpu_figures.range_figures(trace, name) for name in ("optimizer", "forward"))
+    assert lars["steps"] == forward["steps"] == 2 and lars["kernels_per_step"] > 0, lars
+    assert forward["kernels_per_step"] >= 20, forward  # (resnet18: 20 convolutions alone)
+
+
+def gpu_check(*args, timeout=300, **env) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(REPO / "scripts" / "gpu_check.sh"), *map(str, args)], capture_output=True,
-                          text=True, timeout=300, env={**os.environ, "PYTHON": sys.executable, **env})
+                          text=True, timeout=timeout, env={**os.environ, "PYTHON": sys.executable, **env})
 
 
 FAKE_GPU_TESTS = f"""
@@ -150,27 +169,44 @@ def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
     assert (tmp_path / "gpu_figures.txt").read_text().splitlines()[-1] == "error: no CUDA GPU visible"
 
 
-DEVICE_PYTHON = REPO / ".venv-device" / "bin" / "python"  # the lent machine's stack (scripts/setup.sh)
+DEVICE_PYTHON = REPO / ".venv-device" / "bin" / "python"  # a bare GPU node's stack (scripts/setup.sh)
+MOST_FILES, MOST_BYTES, MOST_DEPTH = 8, 16 * 2 ** 20, 2  # what $OUT may hold: small enough to copy back from a node
 
 
-@pytest.mark.slow(seconds=40)
+@pytest.mark.slow(seconds=120)
 @pytest.mark.skipif(not DEVICE_PYTHON.exists(), reason="no .venv-device: scripts/setup.sh makes it where Python 3.12 is")
-def test_gpu_check_dry_runs_on_the_lent_machines_stack(tmp_path):
-    """gpu_check.sh --dry-run on Python 3.12 with torch 2.11 and nothing else of ours: the wheels it
-    carries (.whl/) install without network, the gpu tests load (only their files: the others need
-    packages that machine lacks), and the figures' runs train on the CPU."""
+def test_gpu_check_dry_runs_on_a_bare_gpu_nodes_stack(tmp_path, record_property):
+    """gpu_check.sh --dry-run on Python 3.12 with torch 2.11 and nothing else of ours: the wheels of
+    .whl/ install without network, the gpu tests load (only their files: the others need packages
+    such a node lacks), and the figures run on the CPU as on a GPU: DALI's rows say `DALI absent`
+    (one per DALI run), Horovod's likewise, the 2-GPU stage as 2 processes; $OUT holds no more than
+    a remote node can send back."""
     probe = subprocess.run([str(DEVICE_PYTHON), "-c", "import torch, sys; print(torch.__version__, sys.version_info[:2])"],
                            capture_output=True, text=True, timeout=120)
     assert probe.stdout.startswith("2.11.0") and "(3, 12)" in probe.stdout, probe.stdout + probe.stderr
-    result = gpu_check("--dry-run", PYTHON=str(DEVICE_PYTHON), OUT=str(tmp_path))
-    said = (tmp_path / "gpu_figures.txt").read_text()
+    out = tmp_path / "out"
+    started = time.monotonic()
+    result = gpu_check("--dry-run", PYTHON=str(DEVICE_PYTHON), OUT=str(out), timeout=420)
+    seconds = time.monotonic() - started
+    record_property("dry_run_s", round(seconds, 1))
+    print(f"gpu_check.sh --dry-run on .venv-device: {seconds:.0f} s")
+    said = (out / "gpu_figures.txt").read_text()
     assert result.returncode == 0, said + result.stderr[-3000:]
+    assert said.splitlines()[-1].startswith("gpu_check: dry run ok"), said
     assert "torch 2.11.0" in said and "python 3.12" in said and "mlperf-logging 4.1.68" in said, said
+    gpu_files = [path for path in sorted(REPO.glob("tests/test_*.py")) if "mark.gpu" in path.read_text()]
     here = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
-                           REPO / "tests" / "test_gpu.py", REPO / "tests" / "test_ghost_bn.py"], capture_output=True,
-                          text=True, timeout=120, cwd=REPO)
+                           *gpu_files], capture_output=True, text=True, timeout=300, cwd=REPO)
     expected = here.stdout.count("::")  # the gpu tests as this machine's own stack collects them
     assert expected > 0 and f"gpu tests: {expected} collected" in said, said
-    runs = json.loads((tmp_path / "figures" / "gpu_figures.json").read_text())["runs"]
-    assert [r["run"] for r in runs] == ["synthetic bf16", "synthetic fp32"] and all(r["img_per_s"] > 0 for r in runs)
-    assert said.splitlines()[-1].startswith("gpu_check: dry run ok")
+    rows = {r["run"]: r for r in json.loads((out / "gpu_figures.json").read_text())["runs"]}
+    dali_runs = [name for name in rows if name.startswith("dali")]
+    dali_rows = [line for line in said.splitlines() if line.startswith("dali")]
+    assert len(dali_runs) == len(dali_rows) == 2 and all(line.endswith(f" {DALI_ABSENT}") for line in dali_rows), said
+    assert rows["synthetic fp32"]["img_per_s"] > 0 and rows["horovod fp32"]["absent"] == "Horovod absent"
+    assert rows["trace fp32"]["lars_step"]["calls_per_step"] > 0, rows["trace fp32"]
+    files = [path for path in out.rglob("*") if path.is_file()]
+    assert len(files) <= MOST_FILES and not [path for path in out.rglob("*") if not path.is_file() and not path.is_dir()]
+    assert all(path.stat().st_size <= MOST_BYTES for path in files), [(p.name, p.stat().st_size) for p in files]
+    assert all(len(path.relative_to(out).parts) - 1 <= MOST_DEPTH for path in files), files
+    assert (out / "gpu_trace.json.gz").is_file() and (out / "gpu_calibration.yaml").is_file()

@@ -4,9 +4,10 @@ trained model answers (docs/bench.md).
 train [any flag of python -m train]: the run's own loop (train/loop.py) for --warmup-steps then
 --steps measured steps, on --loader synthetic by default (the user's data with --data-dir, the
 embedded dataset for another loader without one), with no evaluation and no checkpoint. A StepTimer
-given to the loop times each step's wait for its batch and its compute; it synchronises the device
-around them, which only the bench does (a run never waits for the device in its steps). Per-rank
-figures are gathered at the last measured step; rank 0 prints the table and writes the report.
+hook (train/bench_hooks.py) times each step's wait for its batch and its compute; it synchronises the
+device around them, which only the bench does (a run never waits for the device in its steps). Per-rank
+figures are gathered at the last measured step; rank 0 prints the table and writes the report. With
+--profile DIR a ProfileTrace hook writes a torch.profiler trace of a few measured steps per rank.
 
 infer [CHECKPOINT_OR_RUN]: latency percentiles and images/s per batch size for each backend (eager,
 compile: torch.compile, onnxruntime), in the run's precision (an untrained --arch without a source),
@@ -34,97 +35,10 @@ if TYPE_CHECKING:
 TRAIN_KEYS = ("images_per_s", "images_per_s_per_rank", "data_wait_ms_p50", "data_wait_ms_p95", "compute_ms_p50",
               "compute_ms_p95", "compute_alone_ms_p50", "input_cost_ms_p50", "input_bound", "steps", "ranks")
 INPUT_BOUND_SHARE = 0.10  # input bound: the input costs the median step more than this share of it
-QUIET_STEPS = 5  # steps timed again with the loader idle: the step's compute alone
 PERCENTILES = (50, 90, 95, 99)
 
 
 # train ---------------------------------------------------------------------------------------------
-class StepTimer:
-    """Each step's wait for its batch (from asking the loader to the batch being on the device) and its
-    compute (from then to the step's end on the device), in seconds, on this rank. After the last
-    measured step, the same step's compute alone: the loader left to go quiet, the last batch stepped
-    again QUIET_STEPS times with nothing else running, so that a loader that keeps up but takes the
-    cores the step needs shows as what it costs (a wait near zero, a slower compute). Then every rank's
-    figures are gathered (`ranks`: per rank, its measured steps and its quiet computes)."""
-
-    def __init__(self, warmup_steps: int, steps: int):
-        self.warmup_steps, self.steps = warmup_steps, steps
-        self.records: list[tuple[float, float, int]] = []  # (wait, compute, images) per step
-        self.ranks: list | None = None
-        self._got = self._images = 0
-
-    def attach(self, training) -> None:
-        """Wraps a Training's loader batches (each one's wait timed) and its step (the compute timed)."""
-        self.engine, loader, step = training.engine, training.loader, training.train_step
-        train_batches = loader.train_batches
-        loader.train_batches = lambda *args: self.timed(train_batches(*args))
-
-        def timed_step(images, labels):
-            loss = step(images, labels)
-            self.step_end(training.state.step)
-            if training.state.step == self.warmup_steps + self.steps:  # (every rank is here: collectives are safe)
-                self.ranks = self.engine.gather_object((self.records[self.warmup_steps:],
-                                                        self.quiet_computes(training, step, images, labels)))
-            return loss
-        training.train_step = timed_step
-
-    def _sync(self) -> None:
-        if self.engine.device.type == "cuda":
-            import torch
-            torch.cuda.synchronize(self.engine.device)
-
-    def timed(self, batches):
-        """The loader's batches, each one's wait timed (its work on the device included)."""
-        iterator = iter(batches)
-        try:
-            while True:
-                asked = time.perf_counter()
-                try:
-                    images, labels = next(iterator)
-                except StopIteration:
-                    return
-                self._sync()
-                self._got, self._images = time.perf_counter(), labels.shape[0]
-                self.records.append((self._got - asked, 0.0, self._images))
-                yield images, labels
-        finally:
-            getattr(iterator, "close", lambda: None)()
-
-    def step_end(self, step: int) -> None:
-        self._sync()
-        wait = self.records[-1][0]
-        self.records[-1] = (wait, time.perf_counter() - self._got, self._images)
-
-    def quiet_computes(self, training, step, images, labels) -> list[float]:
-        """The step on this batch again, timed, once this process's other threads (the loader's) are
-        idle; the run's position is put back after (the weights have taken the steps: a benchmark
-        keeps nothing)."""
-        wait_for_quiet()
-        self.engine.barrier()  # (each rank's first quiet step must not wait for a rank still waiting)
-        state = training.state
-        position = state.step, state.epoch, state.step_in_epoch, state.bad_steps
-        computes = []
-        for _ in range(QUIET_STEPS):
-            self._sync()
-            started = time.perf_counter()
-            step(images, labels)
-            self._sync()
-            computes.append(time.perf_counter() - started)
-        state.step, state.epoch, state.step_in_epoch, state.bad_steps = position
-        return computes
-
-
-def wait_for_quiet(limit_s: float = 30.0, window_s: float = 0.1) -> None:
-    """Until this process uses less than a tenth of a core over a window (its loader threads have
-    filled what they may fill ahead and stopped), at most `limit_s`."""
-    end = time.monotonic() + limit_s
-    while time.monotonic() < end:
-        before = time.process_time()
-        time.sleep(window_s)
-        if time.process_time() - before < 0.1 * window_s:
-            return
-
-
 def train_report(ranks: list) -> dict:
     """The report from every rank's (measured steps, quiet computes): per step the slowest rank's wait
     and compute (a step is as slow as its slowest rank), their percentiles, images/s over the steps'
@@ -164,7 +78,8 @@ def _values(argv: list[str], flag: str) -> list[str]:
 
 def bench_train(argv: list[str]) -> int:
     ours, rest = mode_parser("train").parse_known_args(argv)
-    from train.cli import parse  # (after --help: these load torch)
+    from train.bench_hooks import ProfileTrace, StepTimer  # (after --help: these load torch)
+    from train.cli import parse
     from train.engines import detect_launch
     from train.loop import run
 
@@ -184,9 +99,12 @@ def bench_train(argv: list[str]) -> int:
     cfg = parse([*defaults, *rest, *out, "--no-checkpoints", "--eval-every", "0",
                  "--max-steps", str(ours.warmup_steps + ours.steps)])
     timer = StepTimer(ours.warmup_steps, ours.steps)
+    trace = ProfileTrace(Path(ours.profile), ours.warmup_steps, ours.steps) if ours.profile else None
     try:
-        run(cfg, step_timer=timer)
+        run(cfg, hooks=(timer, trace) if trace else (timer,))  # (the trace after the timer: outside its timings)
     finally:
+        if trace:
+            trace.close()
         if scratch is not None and rank == 0:
             shutil.rmtree(scratch, ignore_errors=True)
     if timer.ranks is None:  # (alike on every rank: the run's length is the same everywhere)
@@ -207,6 +125,9 @@ def bench_train(argv: list[str]) -> int:
           f"wait and slower compute, {'over' if report['input_bound'] else 'at most'} {INPUT_BOUND_SHARE:.0%} of it)")
     _write_json(Path(ours.report), report)
     print(f"report: {ours.report}")
+    if trace:
+        print(f"profiler trace: {trace.written} of {trace.active} measured step(s), one such file per rank"
+              if trace.written else "profiler trace: none written")
     return 0
 
 

@@ -26,6 +26,10 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
     output = p.add_argument_group("output")
     output.add_argument("--report", default="bench-train.json", metavar="FILE",
                         help="the JSON report rank 0 writes (default: bench-train.json)")
+    output.add_argument("--profile", default="", metavar="DIR", help="also write a torch.profiler trace of the first "
+                        "measured steps, DIR/trace-rank{R}.json.gz per rank R (gzipped Chrome trace JSON: Perfetto, "
+                        "TensorBoard's trace viewer; docs/bench.md); the profiled steps' timings include the "
+                        "profiler's cost (default: no trace)")
 
 
 def _infer_flags(p: argparse.ArgumentParser) -> None:
@@ -58,7 +62,8 @@ def _infer_flags(p: argparse.ArgumentParser) -> None:
                         "written beside it with the same name (default: bench-infer.json)")
 
 
-USAGE = ("python -m train.bench train [--warmup-steps N] [--steps N] [--report FILE] [any flag of python -m train]\n"
+USAGE = ("python -m train.bench train [--warmup-steps N] [--steps N] [--report FILE] [--profile DIR] "
+         "[any flag of python -m train]\n"
          "       python -m train.bench infer [CHECKPOINT_OR_RUN] [OPTIONS]")
 MODE_PARSERS = {  # each mode's parser: (its summary, its usage, the function that adds its flags)
     "train": ("time the trainer's own step: its wait for data against its compute, over the ranks; every other flag "

@@ -6,7 +6,13 @@ What changes during the run comes from the schedule (train/schedule.py), the opt
 factory (train/optim.py), the gradient averaging and the optimizer step from the engine
 (train/engines/), and what is logged, and how, from the run log (train/runlog.py). Metrics stay on
 the device between logging points; the only host syncs are at log points, epoch ends and evaluations.
+
+What watches or wraps the step from outside (python -m train.bench's timers and profiler trace, the
+GPU check's sync check) is a hook given to `run(cfg, hooks=...)` (train/hooks.py), which the loop
+calls at named points. The step's parts are named ranges of a torch.profiler trace: "data wait" and
+"forward" here, "backward", "all-reduce" and "optimizer" in the engine's step (docs/bench.md).
 """
+import contextlib
 import dataclasses
 import gc
 import logging
@@ -15,14 +21,17 @@ from pathlib import Path
 
 import torch
 from mlperf_logging.mllog import constants as K
+from torch.profiler import record_function
 
 from models import build_model
 from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
+from train.compiled import compile_in_place, run_shapes
 from train.config import Config
 from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
 from train.ema import WeightAverage
 from train.evaluate import evaluate, replicas_differing
+from train.hooks import HookList, LoopHooks
 from train.host_memory import reserve
 from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
@@ -33,10 +42,10 @@ from train.startup import Setup, prepare
 from train.stopping import FlagChecks, StopSignal
 
 
-def run(cfg: Config, step_timer=None) -> dict:  # (step_timer: python -m train.bench's, train/bench.py)
+def run(cfg: Config, hooks: "tuple[LoopHooks, ...]" = ()) -> dict:
     setup = prepare(cfg)  # train/startup.py: everything that can fail, before the run's first step
     try:
-        return _train(Training(setup, step_timer))
+        return _train(Training(setup, hooks))
     finally:  # the run directory is free for the next job however this one ends (a killed one's lock goes stale)
         if setup.lock:
             setup.lock.release()
@@ -54,7 +63,8 @@ def _train(training: "Training") -> dict:
                 elastic.run_epochs(training, stop_signal)
             else:
                 training.run_epochs(stop_signal)
-        return training.finish()
+        with training.host_may_read("the end"):
+            return training.finish()
     except RunAborted:
         training.log.stop(K.ABORTED)
         raise
@@ -86,8 +96,8 @@ class Training(Checkpointing):
     """A run's parts (engine, loader, model, optimizer, precision, schedule, log) and its state; what
     saves and restores them is train/saving.py's."""
 
-    def __init__(self, setup: Setup, step_timer=None):
-        self.setup = setup
+    def __init__(self, setup: Setup, hooks: "tuple[LoopHooks, ...]" = ()):
+        self.setup, self.hooks = setup, HookList(hooks)
         cfg, engine, loader = setup.cfg, setup.engine, setup.loader
         self.cfg, self.engine, self.loader, self.precision = cfg, engine, loader, setup.precision
         self.out_dir, device = Path(cfg.out_dir), engine.device
@@ -118,7 +128,7 @@ class Training(Checkpointing):
             self.log.print(said)
         if cfg.compile:  # in place, before the engine wraps it: class and state_dict keys stay (docs/compile.md)
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # (a GPU-less host with nvcc: "No CUDA runtime")
-            model.compile(mode=cfg.compile_mode)
+            compile_in_place(model, cfg.compile_mode, run_shapes(cfg, self.schedule, engine.world_size))
         self.model, self.optimizer = engine.wrap(model, optimizer)
         # --ema-decay: the average of the weights, the model evaluated and exported (from the broadcast weights on)
         self.ema = WeightAverage.of(cfg, engine.unwrap(self.model), loader.num_classes) if cfg.ema_decay else None
@@ -126,8 +136,6 @@ class Training(Checkpointing):
             self._resume()
         self.lr = self.schedule.lr(max(self.state.step, 1))
         self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
-        if step_timer:  # python -m train.bench only: it wraps the loader's batches and the step, and syncs
-            step_timer.attach(self)
 
     def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
@@ -154,13 +162,26 @@ class Training(Checkpointing):
             self.log.warning(f"--batch-size {cfg.command_batch_size} not taken: {self.out_dir} holds a run of global batch "
                              f"{cfg.global_batch_size}, kept on {engine.world_size} rank(s) as {kept} per rank; change it "
                              "with --resume --global-batch-size")
+        self.hooks.run_started(self)
+
+    @contextlib.contextmanager
+    def host_may_read(self, what: str):
+        """A stretch of the run where the host may wait for the device's values (the hooks are told)."""
+        self.hooks.reads_start(what)
+        try:
+            yield
+        finally:
+            self.hooks.reads_end(what)
 
     # the epochs ----------------------------------------------------------------------------------
     def run_epochs(self, stop_signal: "StopSignal") -> None:
         while self.state.epoch < self.cfg.epochs and not self.state.stop:
             self.train_epoch(stop_signal)
-            self.end_of_epoch()
-        self.check_replicas()
+            with self.host_may_read("the epoch's end"):
+                self.end_of_epoch()
+            self.hooks.epoch_done()
+        with self.host_may_read("the end"):
+            self.check_replicas()
 
     def train_epoch(self, stop_signal: "StopSignal") -> None:
         """The epoch's remaining steps: each batch through the optimizer step and its loss into the
@@ -173,25 +194,35 @@ class Training(Checkpointing):
         self.window, self.epoch_meter = LossMeter(self.engine.device), LossMeter(self.engine.device)
         for images, labels in self._epoch_batches():
             loss = self.train_step(images, labels)
+            self.hooks.step_done(s.step, loss)
             self.window.add(loss)
             self.epoch_meter.add(loss)
             self._reserve_host_memory()
             if s.step % cfg.log_every == 0:
-                self._log_window()
+                with self.host_may_read("a logging point"):
+                    self._log_window()
             if s.step == cfg.max_steps:
                 s.stop = True
                 return
             self._between_steps(stop_signal)
 
     def _epoch_batches(self):
-        """The loader's batches from where the epoch stands, on rank 0's progress bar. Before its step
-        each batch's sample positions go into samples_trained (checkpoints count the epoch's images), and
-        --bn-recompute-batches keeps a copy of the last few."""
+        """The loader's batches from where the epoch stands, on rank 0's progress bar, each asked for
+        in the trace's "data wait" range. Before its step each batch's sample positions go into
+        samples_trained (checkpoints count the epoch's images), and --bn-recompute-batches keeps a copy
+        of the last few."""
         s = self.state
         batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
-        batches = progress(batches, self.loader.steps_per_epoch - s.step_in_epoch, self.schedule.global_batch(s.epoch),
-                           self.engine.rank == 0, f"epoch {s.epoch + 1}")
-        for images, labels in batches:
+        batches = iter(progress(batches, self.loader.steps_per_epoch - s.step_in_epoch,
+                                self.schedule.global_batch(s.epoch), self.engine.rank == 0, f"epoch {s.epoch + 1}"))
+        while True:
+            self.hooks.batch_asked()
+            with record_function("data wait"):
+                batch = next(batches, None)
+            if batch is None:
+                return
+            images, labels = batch
+            self.hooks.batch_fetched(images, labels)
             self.samples_trained.add(self.loader.last_positions)
             self.recent.add(images)
             yield images, labels
@@ -213,13 +244,16 @@ class Training(Checkpointing):
         if self.flag_checks.due(s.step, engine.world_size):
             stop, late = self.flag_checks.exchange(engine, s.step, [stop_signal.raised, self._checkpoint_late()])
         if stop:
-            self._preempt()
+            with self.host_may_read("a checkpoint"):
+                self._preempt()
         if s.step_in_epoch == self.loader.steps_per_epoch:
             return
         if late or (cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0):
-            self.save()
+            with self.host_may_read("a checkpoint"):
+                self.save()
         if self.commit and s.step % cfg.commit_every == 0:
-            self.commit()
+            with self.host_may_read("a commit"):
+                self.commit()
 
     def _checkpoint_late(self) -> bool:
         """--checkpoint-every-minutes reads rank 0's clock, which the ranks agree on at their agreements
@@ -252,7 +286,7 @@ class Training(Checkpointing):
         for group in self.optimizer.param_groups:
             group.update(settings)
         self.lr = settings["lr"]
-        with self.precision.autocast():
+        with self.precision.autocast(), record_function("forward"):
             loss = self.criterion(self.model(images), labels)
         self.engine.step(loss, self.optimizer, self.precision)
         self.optimizer.zero_grad()  # sets .grad to None (Horovod's wrapper takes no arguments)

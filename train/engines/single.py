@@ -3,6 +3,7 @@ identity (a sum over one rank is the value itself)."""
 import socket
 
 import torch
+from torch.profiler import record_function
 
 from models.batchnorm import convert_batchnorm
 from train.engines.launch import local_device
@@ -26,8 +27,12 @@ class SingleProcess:
         return model, optimizer
 
     def step(self, loss, optimizer, precision) -> None:
-        precision.backward(loss)
-        precision.step(optimizer)
+        """Backward and the optimizer step, each a named range of a profiler trace (one process has no
+        all-reduce to wait for)."""
+        with record_function("backward"):
+            precision.backward(loss)
+        with record_function("optimizer"):
+            precision.step(optimizer)
 
     def unwrap(self, model):
         return model
