@@ -1,13 +1,20 @@
 """Optimizers by name (`--optimizer`): each is built from the run's settings and the model by one
 registered factory. A new optimizer is a class plus a factory registered here.
 
-Every optimizer here declares `_step_supports_amp_scaling`: under fp16 loss scaling it unscales the
-gradients itself and skips an overflowing step on the device (train/lars.py amp_arguments), so that
-GradScaler never reads its found-inf flag on the host (a wait for the GPU in every step).
+Every optimizer here declares `_step_supports_amp_scaling`: under fp16 loss scaling it skips an
+overflowing step on the device (train/lars.py amp_arguments), so that GradScaler never reads its
+found-inf flag on the host (a wait for the GPU in every step); Precision.step has the scaler unscale
+the gradients first, and a loss scale handed by another caller is divided out here.
+
+Their steps run on whole tensor lists, in calls CUDA's multi-tensor fast route takes (train/lars.py,
+docs/lars.md), none per tensor: SGD is one fused pass per group (momentum_step); the RMSprop warm-up
+eleven multi-tensor calls per group (twelve with weight decay), and under fp16 loss scaling a copy of
+the gradients into a flat buffer and one fill there.
 """
 import torch
 
-from train.lars import LARS, amp_arguments, groups_with_gradients, lars_param_groups, momentum_step
+from train.lars import (LARS, amp_arguments, flat_views, gradients_in_layout, groups_with_gradients, in_layout_of,
+                        lars_param_groups, momentum_buffers, momentum_step)
 
 OPTIMIZERS = {}  # --optimizer NAME -> factory(cfg, model, lr) -> torch.optim.Optimizer
 
@@ -54,11 +61,7 @@ class SGD(torch.optim.SGD):
         loss = closure() if closure is not None else None
         grad_scale, found_inf = amp_arguments(self)
         for group, params in groups_with_gradients(self):
-            states = [self.state[p] for p in params]
-            for p, state in zip(params, states):
-                if state.get("momentum_buffer") is None:
-                    state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            momentum_step(params, [p.grad for p in params], [s["momentum_buffer"] for s in states], group["momentum"],
+            momentum_step(params, gradients_in_layout(params), momentum_buffers(self, params), group["momentum"],
                           found_inf, lr=group["lr"], weight_decay=group["weight_decay"], nesterov=group["nesterov"],
                           grad_scale=grad_scale)
         return loss
@@ -86,31 +89,36 @@ class RMSpropWarmup(torch.optim.Optimizer):
                  rms_lr_ratio: float = 1.0, weight_decay: float = 0.0, sgd_share: float = 0.0):
         super().__init__(params, dict(lr=lr, momentum=momentum, alpha=alpha, eps=eps, rms_lr_ratio=rms_lr_ratio,
                                       weight_decay=weight_decay, sgd_share=sgd_share))
+        self._zeroable = {}  # a group's tensor layouts -> FlatViews: its gradients, zeroed on a skipped step
 
-    _step_supports_amp_scaling = True  # unscales and skips by itself (see the module's docstring)
+    _step_supports_amp_scaling = True  # skips by itself (see the module's docstring)
 
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         grad_scale, found_inf = amp_arguments(self)
         for group, params in groups_with_gradients(self):
-            grads = [p.grad for p in params]
+            grads = gradients_in_layout(params)
             if grad_scale is not None:
                 grads = torch._foreach_div(grads, grad_scale)  # (a power of two: exact, as GradScaler's own unscale)
             if group["weight_decay"]:
                 grads = torch._foreach_add(grads, params, alpha=group["weight_decay"])
             alpha, momentum, lr = group["alpha"], group["momentum"], group["lr"]
             if found_inf is not None:
-                # a skipped step (found_inf 1) changes nothing: zero gradients (no inf or NaN left in them)
-                # with factors that keep every state as it is, chosen on the device
+                # a skipped step (found_inf 1) changes nothing: zero gradients (no inf or NaN left in them:
+                # copied into one flat buffer and zeroed there in one kernel) with factors that keep every
+                # state as it is, chosen on the device
+                zeroable = flat_views(self._zeroable, params, keep=len(self.param_groups))
+                torch._foreach_copy_(zeroable.views, grads)
+                zeroable.flat.masked_fill_(found_inf > 0, 0.0)
+                grads = zeroable.views
                 keep = found_inf == 0
-                grads = [torch.where(keep, g, 0) for g in grads]
                 alpha, momentum = torch.where(keep, alpha, 1.0), torch.where(keep, momentum, 1.0)
                 lr = torch.where(keep, lr, 0.0)
             states = [self.state[p] for p in params]
             for p, state in zip(params, states):
-                if not state:
-                    state["square_avg"], state["momentum_buffer"] = torch.zeros_like(p), torch.zeros_like(p)
+                for key in ("square_avg", "momentum_buffer"):  # in the parameter's layout, as the gradients
+                    state[key] = in_layout_of(state[key], p) if key in state else torch.zeros_like(p)
             squares, buffers = [s["square_avg"] for s in states], [s["momentum_buffer"] for s in states]
             torch._foreach_mul_(squares, alpha)
             torch._foreach_addcmul_(squares, grads, grads, value=1 - group["alpha"])

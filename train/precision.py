@@ -6,9 +6,9 @@ only; bf16 runs there, emulated and slow), fp32 on a CPU. The capability is aske
 torch.cuda.get_device_capability, not of torch.cuda.is_bf16_supported(), which says yes on sm 7.x too
 (it counts emulation).
 
-fp16 needs a GradScaler, which skips steps whose gradients overflowed: the optimizers (train/optim.py)
-unscale and skip on the device, so no step reads the found-inf flag on the host. bf16 has fp32's
-range and needs none, on CUDA and on CPU.
+fp16 needs a GradScaler, which skips steps whose gradients overflowed: it unscales and checks the
+gradients in one pass, and the optimizers (train/optim.py) skip on the device, so no step reads the
+found-inf flag on the host. bf16 has fp32's range and needs none, on CUDA and on CPU.
 """
 import contextlib
 import os
@@ -89,13 +89,15 @@ class Precision:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
-        """The optimizer step, on gradients the engine has averaged: with fp16 the scaler hands the
-        optimizer its scale and the overflow flag as device tensors (the optimizers of train/optim.py
-        unscale, and skip the step when the gradients hold inf/NaN, on the device; another optimizer
-        gets torch's own unscale and a host read of the flag), then adapts its scale."""
+        """The optimizer step, on gradients the engine has averaged. With fp16 the scaler first unscales
+        the gradients and checks them for inf/NaN in one fused pass (unscale_), then hands the optimizer
+        the overflow flag as a device tensor and no scale (the optimizers of train/optim.py skip the step
+        on the device; another optimizer gets a host read of the flag), then adapts its scale. Left to
+        step() alone, the scaler would check in a pass of its own and the optimizer divide in another."""
         if self.scaler is None:
             optimizer.step()
             return
+        self.scaler.unscale_(optimizer)
         self.scaler.step(optimizer)
         self.scaler.update()
 
