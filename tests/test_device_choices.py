@@ -105,30 +105,30 @@ def step_fits(batch: int, memory_bytes: float, precision: str) -> bool:
 
 
 @pytest.mark.parametrize("capability, name, memory_gib, precision, expected", [
-    ((7, 0), "Tesla V100-SXM2-16GB", 16, "fp16", 320), ((7, 0), "Tesla V100-SXM2-16GB", 16, "fp32", 160),
+    ((7, 0), "Tesla V100-SXM2-16GB", 16, "fp16", 256), ((7, 0), "Tesla V100-SXM2-16GB", 16, "fp32", 128),
     ((8, 0), "NVIDIA A100-SXM4-40GB", 40, "bf16", 512), ((8, 0), "NVIDIA A100-SXM4-40GB", 40, "fp16", 512),
     ((8, 0), "NVIDIA A100-SXM4-80GB", 80, "bf16", 512), ((9, 0), "NVIDIA H100 80GB HBM3", 80, "bf16", 512),
-    ((9, 0), "NVIDIA H200", 141, "bf16", 512), ((8, 6), "a GPU of 8 GiB", 8, "fp16", 128)])
+    ((9, 0), "NVIDIA H200", 141, "bf16", 512), ((8, 6), "a GPU of 8 GiB", 8, "fp16", 96)])
 def test_the_per_gpu_batch_is_the_largest_multiple_of_16_up_to_512_that_fits(fake_gpu, capability, name, memory_gib,
                                                                               precision, expected):
-    """At 224 px: the batch fits by the model's own per-image figure, counted here, and 16 more would
-    not (or it is 512, the most the rule takes)."""
+    """At 224 px: the batch fits 85% of the GPU's memory by the model's own per-image figure, counted
+    here, and 16 more would not (or it is 512, the most the rule takes)."""
     fake_gpu(capability, name, memory_gib)
-    memory = memory_gib * 2 ** 30
+    usable = 0.85 * memory_gib * 2 ** 30
     batch, note = default_batch(GPU, precision, 224, "resnet50")
     assert batch == expected and batch % 16 == 0
-    assert step_fits(batch, memory, precision) and (batch == 512 or not step_fits(batch + 16, memory, precision))
-    assert note == (f"batch {expected} per GPU: the largest multiple of 16 up to 512 whose {precision} step fits its "
-                    f"{memory_gib} GiB")
+    assert step_fits(batch, usable, precision) and (batch == 512 or not step_fits(batch + 16, usable, precision))
+    assert note == (f"batch {expected} per GPU: the largest multiple of 16 up to 512 whose {precision} step fits 85% "
+                    f"of its {memory_gib} GiB")
 
 
 def test_the_per_gpu_batch_follows_the_crop_and_stays_256_on_a_cpu(fake_gpu):
     fake_gpu((7, 0))  # 16 GiB
-    assert default_batch(GPU, "fp16", 112, "resnet50")[0] == 512  # a quarter of the pixels: 4 x 328 fit, 512 at most
-    assert default_batch(GPU, "fp16", 448, "resnet50")[0] == 80  # four times the pixels: 82 fit
+    assert default_batch(GPU, "fp16", 112, "resnet50")[0] == 512  # a quarter of the pixels: 4 x 269 fit, 512 at most
+    assert default_batch(GPU, "fp16", 448, "resnet50")[0] == 64  # four times the pixels: 67 fit
     assert default_batch(CPU, "fp32", 224, "resnet50") == (256, "")
     fake_gpu((7, 0), memory_gib=2)  # not even 16 images beside the 2 GB reserve
-    with pytest.raises(UsageError, match="not 16 images of 224 px fit the 2 GiB of this GPU"):
+    with pytest.raises(UsageError, match="not 16 images of 224 px fit 85% of its 2 GiB"):
         default_batch(GPU, "fp16", 224, "resnet50")
 
 

@@ -25,5 +25,7 @@ def compile_in_place(model: torch.nn.Module, mode: str, shapes: int, backend="in
     """`model.compile()` with static shapes, for a run of `shapes` input shapes (run_shapes); in place,
     the model keeps its class and state_dict keys. `backend`: torch.compile's (tests take a cheap one)."""
     import torch._dynamo
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, shapes)
+    config = torch._dynamo.config
+    limit = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"  # (its older name)
+    setattr(config, limit, max(getattr(config, limit), shapes))
     model.compile(mode=mode, dynamic=False, backend=backend)

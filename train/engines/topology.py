@@ -67,9 +67,13 @@ def discount_compiles(watchdog: Watchdog) -> None:
     the optimizer step. None of that counts towards TRAINER_COLLECTIVE_TIMEOUT_S (docs/compile.md):
     Dynamo tells when compiling starts and ends, for the forward, the backward and the recording of
     CUDA graphs."""
-    from torch._dynamo import callback_handler
-    callback_handler.register_start_callback(lambda _: watchdog.compiling(True))
-    callback_handler.register_end_callback(lambda _: watchdog.compiling(False))
+    try:
+        from torch._dynamo import callback_handler
+    except ImportError:  # (a torch that does not tell: its compiles count as waits)
+        return
+    # (*_: newer releases pass the callbacks an argument, older ones none)
+    callback_handler.register_start_callback(lambda *_: watchdog.compiling(True))
+    callback_handler.register_end_callback(lambda *_: watchdog.compiling(False))
 
 
 class Topology:
