@@ -76,7 +76,11 @@ OUT=${OUT:-gpu_figures}
 mkdir -p "$OUT" || exit 2
 WORK=$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX") || exit 2
 trap 'rm -rf "$WORK"' EXIT
-mkdir "$WORK/tmp" && export TMPDIR="$WORK/tmp"  # (what the runs and launchers leave in temporary folders goes too)
+# torch.compile's kernel caches stay where torch keeps them (a second check compiles from them); what else
+# the runs and launchers leave in temporary folders goes with the check's folder
+export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-${TMPDIR:-/tmp}/torchinductor_$(id -un)}
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-${HOME:-/tmp}/.triton/cache}
+mkdir "$WORK/tmp" && export TMPDIR="$WORK/tmp"
 figures="$OUT/gpu_figures.txt"
 DEADLINE=$((SECONDS + BUDGET_S - 5))  # the whole check, whatever hangs; 5 s for the last lines
 budget() { local left=$((DEADLINE - SECONDS)); left=$((left < $1 ? left : $1)); echo $((left > 1 ? left : 1)); }

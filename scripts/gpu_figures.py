@@ -8,15 +8,16 @@ still shows what it measured:
    image, under the sync check: from step UNCHECKED_STEPS + 1 on, the steps run under
    torch.cuda.set_sync_debug_mode("error"), so a step that waits for the GPU (a host read, a blocking
    copy) ends the run and the row names the line (a hook of the loop: SyncCheck).
-2. `trace P`: `python -m train.bench train --profile` on one GPU: the step's profiler trace, and from
+2. `synthetic P --compile`: step time against eager, and the compile time (its first window's extra
+   seconds beyond the eager run's); second, as the figure that needs the most time.
+3. `trace P`: `python -m train.bench train --profile` on one GPU: the step's profiler trace, and from
    it the LARS step's kernels (those launched inside the "optimizer" range).
-3. `dali P` and `dali feed`: training through DALI decoding generated JPEGs (made by a background
+4. `dali P` and `dali feed`: training through DALI decoding generated JPEGs (made by a background
    process while the runs before train), and DALI's batches alone (its rate, no step); `DALI absent`
    where DALI is not installed, and then no JPEG is written.
-4. `2 GPUs P`: where two GPUs are visible, the same benchmark on 2 ranks under torchrun (NCCL): its
+5. `2 GPUs P`: where two GPUs are visible, the same benchmark on 2 ranks under torchrun (NCCL): its
    images/s per GPU against one GPU's, and its trace (the one kept); on one GPU a row says so.
-5. `synthetic fp16`: the loss scaler's step under the sync check.
-6. `synthetic P --compile`: step time against eager, and the compile time.
+6. `synthetic fp16`: the loss scaler's step under the sync check.
 7. `horovod P`: Horovod's asynchronous completion: the host's time in the "all-reduce" range per step
    with it (the engine's choice on CUDA) and without (HOROVOD_ENABLE_ASYNC_COMPLETION=0);
    `Horovod absent` where Horovod is not installed.
@@ -48,6 +49,7 @@ import time
 import traceback
 from pathlib import Path
 
+STARTED = time.time()  # --deadline-s counts from here: the shell's timeout counts from the process's start
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from train.hooks import LoopHooks  # noqa: E402  (imports nothing: --make-jpegs runs without torch)
@@ -298,7 +300,7 @@ class Figures:
     """The check's figures as they are measured: the JSON written again after each, each row printed."""
 
     def __init__(self, args, device_figures: dict):
-        self.args, self.started = args, time.time()
+        self.args, self.started = args, STARTED
         self.figures = {**device_figures, "runs": [], "anchors": ANCHORS}
         self.cuda = device_figures["sync_checked"]
 
@@ -364,6 +366,15 @@ def run_figures(f: Figures, sizes: list[str], default: str, jpeg_maker) -> None:
         return f.measure(label, need, lambda: train(work / label.replace(" ", "-"),
                                                     [*common, "--precision", precision, *extra], cuda))
     eager = training(f"synthetic {default}", default, synthetic)
+    # second: the figure that needs the most time (a cold compile of forward and backward)
+    lacking = triton_lacks() if cuda else ""
+    if lacking:
+        compiled = f.add({"run": f"synthetic {default} --compile", "not_run": f"not run: {lacking}"})
+    else:
+        compiled = training(f"synthetic {default} --compile", default, [*synthetic, "--compile"], "compile")
+    if "img_per_s" in compiled and "img_per_s" in eager:  # (the eager run's first window: start-up and autotuning)
+        f.figures["compile"] = {"step_time_vs_eager": round(eager["img_per_s"] / compiled["img_per_s"], 3),
+                                "compile_s": round(compiled["first_window_extra_s"] - eager["first_window_extra_s"], 1)}
     # the benchmark's runs at the batch the trainer chose (common holds a --batch-size given), with no
     # logging point among their steps (the benchmark's own choice)
     batch = ["--batch-size", str(eager["batch"])] if "batch" in eager and not args.batch_size else []
@@ -379,14 +390,6 @@ def run_figures(f: Figures, sizes: list[str], default: str, jpeg_maker) -> None:
         two = f.measure(f"2 GPUs {default}", "two-gpus", lambda: two_ranks_row(f, work, bench_flags, one))
     if cuda and default != "fp16":  # (below compute capability 8.0 fp16 is the default, measured first)
         training("synthetic fp16", "fp16", synthetic)
-    lacking = triton_lacks() if cuda else ""
-    if lacking:
-        compiled = f.add({"run": f"synthetic {default} --compile", "not_run": f"not run: {lacking}"})
-    else:
-        compiled = training(f"synthetic {default} --compile", default, [*synthetic, "--compile"], "compile")
-    if "img_per_s" in compiled and "img_per_s" in eager:
-        f.figures["compile"] = {"step_time_vs_eager": round(eager["img_per_s"] / compiled["img_per_s"], 3),
-                                "compile_s": compiled["first_window_extra_s"]}
     horovod_row(f, work, bench_flags)
     if default != "fp32":
         training("synthetic fp32", "fp32", synthetic)
@@ -590,8 +593,11 @@ def main() -> int:
                                        str(args.jpegs)], stdout=subprocess.DEVNULL, preexec_fn=lambda: os.nice(10))
     import torch
     from train.precision import BF16_CAPABILITY, resolve
+    # at the deadline, or told to end (the check's own timeout), the figure running is cut and its launcher's
+    # ranks killed (run_child), so that nothing is left on the GPUs
     signal.signal(signal.SIGALRM, _out_of_time)
-    signal.setitimer(signal.ITIMER_REAL, max(1.0, args.deadline_s))
+    signal.signal(signal.SIGTERM, _out_of_time)
+    signal.setitimer(signal.ITIMER_REAL, max(1.0, args.deadline_s - (time.time() - STARTED)))
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     capability = tuple(torch.cuda.get_device_capability(device)) if cuda else None

@@ -241,6 +241,8 @@ INFER_TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-sizes", "1", 
     (["infer", "NOT_A_CHECKPOINT"], "NOT_A_CHECKPOINT"),
     (["train", "--steps", "0"], "--steps: 0 must be at least 1"),
     (["train", "--max-steps", "9"], "--max-steps is the benchmark's to set"),
+    (["train", "--steps", "1", "--profile", "traces"], "--profile traces measured steps before the last one: give "
+                                                       "--steps 2 or more, not 1"),
     (["fly"], "give a mode"),
 ])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, said):

@@ -93,8 +93,8 @@ def test_the_table_json_calibration_and_trace_of_small_runs_with_dali_absent(tmp
     lines = done.stdout.splitlines()
     figures = json.loads((out / "figures.json").read_text())
     rows = {r["run"]: r for r in figures["runs"]}
-    assert list(rows) == ["synthetic fp32", "trace fp32", "dali fp32", "dali feed", "2 GPUs fp32",
-                          "synthetic fp32 --compile", "horovod fp32", "ghost BatchNorm"]
+    assert list(rows) == ["synthetic fp32", "synthetic fp32 --compile", "trace fp32", "dali fp32", "dali feed",
+                          "2 GPUs fp32", "horovod fp32", "ghost BatchNorm"]
     assert rows["synthetic fp32"]["img_per_s"] > 0 and rows["synthetic fp32"]["batch"] == 4
     assert any(line.startswith("synthetic fp32 ") and "sync not checked (no GPU) / synthetic" in line for line in lines)
     assert [line for line in lines if line.startswith("dali")] == [f"{'dali fp32':<30} DALI absent",

@@ -86,6 +86,8 @@ def bench_train(argv: list[str]) -> int:
     for flag, why in BENCH_OWNS.items():
         if _given(rest, flag):
             raise UsageError(f"{flag} is the benchmark's to set ({why}); drop it")
+    if ours.profile and ours.steps < 2:  # (the last measured step is followed by the step alone, timed again)
+        raise UsageError(f"--profile traces measured steps before the last one: give --steps 2 or more, not {ours.steps}")
     synthetic = not (_given(rest, "--loader") or _given(rest, "--data-dir")) or "synthetic" in _values(rest, "--loader")
     defaults = [] if _given(rest, "--loader") or _given(rest, "--data-dir") else ["--loader", "synthetic"]
     defaults += ["--synthetic-val-images", "0"] if synthetic and not _given(rest, "--synthetic-val-images") else []
