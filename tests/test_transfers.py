@@ -151,9 +151,11 @@ def test_the_counter_counts_transfers_outside_to_device_only(monkeypatch):
         host.new_tensor([5])
         torch.empty(4, dtype=torch.int64).copy_(torch.as_tensor([1, 2, 3, 4]))  # from host data
         torch.empty(4, dtype=torch.int64).copy_(host * 2)  # from a tensor computed where it lives: not one
+        torch.empty(4, dtype=torch.int64)[:2] = torch.as_tensor([1, 2])  # an assignment from host data
+        torch.empty(4, dtype=torch.int64)[:2] = host[:2]  # not one
         to_device(host, torch.device("cpu"))
     kinds = sorted(where.rsplit(" ", 1)[1] for where, n in counts.items() for _ in range(n))
-    assert kinds == ["(copy_)", "(new_tensor)", "(tensor)", "(to)", "(to)"], counts
+    assert kinds == ["(__setitem__)", "(copy_)", "(new_tensor)", "(tensor)", "(to)", "(to)"], counts
     assert (torch.Tensor.to, torch.Tensor.copy_, torch.tensor) == methods  # (torch as it was after the block)
 
 

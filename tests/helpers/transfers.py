@@ -1,5 +1,6 @@
 """Count the transfers to the device that the training thread makes outside `data.transfer.to_device`
-(docs/gpu.md, "Transfers"): `.to(...)`/`.cuda()` with a device, `copy_` from host data, `new_tensor`,
+(docs/gpu.md, "Transfers"): `.to(...)`/`.cuda()` with a device, `copy_` (or `tensor[index] = value`) from
+host data, `new_tensor`,
 and `torch.tensor`/`as_tensor`/`asarray` with a device argument. Each is counted by the line of the
 trainer's code (train/, models/, data/) nearest to it on the stack, with that line's function.
 
@@ -70,6 +71,13 @@ def counting_transfers():
             return original(self, src, *args, **kwargs)
         return wrapped
 
+    def setitem(original):  # (tensor[index] = value copies in C++, past the Python copy_)
+        def wrapped(self, index, value):
+            if _from_host(self, value, host_made):
+                count("__setitem__")
+            return original(self, index, value)
+        return wrapped
+
     def foreach_copy(original):
         def wrapped(dsts, srcs, *args, **kwargs):
             if any(_from_host(d, s, host_made) for d, s in zip(dsts, srcs)):
@@ -100,6 +108,7 @@ def counting_transfers():
     replace(torch.Tensor, "cuda", always("cuda"))
     replace(torch.Tensor, "new_tensor", always("new_tensor"))
     replace(torch.Tensor, "copy_", copy)
+    replace(torch.Tensor, "__setitem__", setitem)
     replace(torch, "_foreach_copy_", foreach_copy)
     replace(torch, "from_numpy", from_numpy)
     for name in FROM_HOST_DATA:
