@@ -158,8 +158,8 @@ def test_a_run_continued_on_another_rank_count_keeps_its_global_batch_and_trains
 
 @pytest.mark.multiprocess
 def test_a_horovod_run_resumes_with_its_optimizer_state(tmp_path):
-    """Horovod's DistributedOptimizer is a new optimizer over the same parameters: the resumed run's
-    momentum must reach it (2 ranks: the averaged gradients are exact, so the runs agree bit for bit)."""
+    """Horovod's optimizer wraps the run's own: the resumed run's momentum must reach the optimizer that
+    steps (2 ranks: the averaged gradients are exact, so the runs agree bit for bit)."""
     command = ["-m", "train", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16, "--synthetic-images", 64,
                "--synthetic-val-images", 8, "--synthetic-classes", 10, "--batch-size", 8, "--epochs", 1,
                "--eval-every", 0, "--optimizer", "sgd", "--lr", 0.05]  # 4 steps

@@ -35,11 +35,9 @@ def main():
                 ddp.register_comm_hook(engine._two_level_state(), engine._two_level_hook)
             ddp(images).square().mean().backward()
         else:
-            import horovod.torch as hvd
-            from train.engines.horovod import TwoLevelHorovodOptimizer, _contiguous
+            from train.engines.horovod_allreduce import FlatHorovodOptimizer, TwoLevelHorovodOptimizer
             if path == "flat":
-                wrapped = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters(),
-                                                   compression=_contiguous(hvd.Compression.none), op=hvd.Average)
+                wrapped = FlatHorovodOptimizer(optimizer, engine, model.named_parameters())
             else:
                 wrapped = TwoLevelHorovodOptimizer(optimizer, engine, engine._two_level_routes(),
                                                    list(model.parameters()))

@@ -2,9 +2,13 @@
 (argv: ENGINE OUT_DIR ROWS[,ROWS...]): averages the same rank-dependent gradients of a tiny model
 through engine.wrap() with --allreduce flat, hierarchical, and torus with each --torus-rows given,
 and writes OUT_DIR/rank<r>.json: the largest per-tensor relative difference of each torus result
-from flat and from hierarchical, and, for every torus run, the collectives this rank issued during
+from flat and from hierarchical; for every path, its largest error against the exact mean (float64)
+in units of fp32's rounding bound; for every torus run, the collectives this rank issued during
 the averaging, in order, with the ranks of each one's group and every wait (recorded by a stand-in
-for torch.distributed / horovod.torch on the engine)."""
+for torch.distributed / horovod.torch on the engine). On 4 processes (2 x 2) also a few LARS steps of
+the trainer's resnet18 in float64, flat against torus: where fp32 training drifts apart by whatever
+rounding the steps amplify (docs/allreduce.md, "Torus against flat"), float64 must agree to its own
+rounding."""
 import dataclasses
 import json
 import sys
@@ -12,8 +16,11 @@ from pathlib import Path
 
 import torch
 
+from models import build_model
 from train.config import Config
 from train.engines import create
+from train.lars import LARS, lars_param_groups
+from train.precision import Precision
 
 COLLECTIVES = {"all_to_all_single": "all_to_all", "reduce_scatter_single": "reduce_scatter",
                "reduce_scatter_tensor": "reduce_scatter",
@@ -33,7 +40,8 @@ class Recorder:
     def _ranks(self, kwargs) -> list[int]:
         if self._engine_name == "torch":
             return list(self._inner.get_process_group_ranks(kwargs["group"]))
-        return list(kwargs["process_set"].ranks)
+        process_set = kwargs.get("process_set")  # (none: the global set, the flat all-reduce's)
+        return list(process_set.ranks) if process_set is not None else list(range(self._inner.size()))
 
     def __getattr__(self, name):
         value = getattr(self._inner, name)
@@ -89,6 +97,39 @@ def averaged_gradients(engine, recorder, **settings) -> tuple[list[torch.Tensor]
     return [p.grad.detach().clone() for p in model.parameters()], events
 
 
+def exact_mean_and_bound(local: list[torch.Tensor], engine) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The exact mean of every rank's gradients (float64 sums), and fp32's rounding bound for an average
+    of p values summed in any order: (p - 1) x 2^-24 x the mean of their magnitudes."""
+    flat = torch.cat([g.double().reshape(-1) for g in local])
+    sums = engine.all_reduce_sum(torch.stack([flat, flat.abs()])) / engine.world_size
+    mean, bound = sums[0], (engine.world_size - 1) * 2.0 ** -24 * sums[1]
+    sizes = [g.numel() for g in local]
+    return ([t.view(g.shape) for t, g in zip(mean.split(sizes), local)],
+            [t.view(g.shape) for t, g in zip(bound.split(sizes), local)])
+
+
+def in_rounding_units(averaged: list[torch.Tensor], exact: list[torch.Tensor], bound: list[torch.Tensor]) -> float:
+    """The averaged gradients' largest error against the exact mean in units of the rounding bound
+    (<= 1: the exact mean but for the rounding of the sums)."""
+    return max(((a.double() - e).abs() / b.clamp_min(1e-300)).max().item() for a, e, b in zip(averaged, exact, bound))
+
+
+def trained(engine, dtype: torch.dtype, steps: int = 2, **settings) -> list[torch.Tensor]:
+    """The trainer's resnet18 at 16 px after a few LARS steps (LR 2) on this rank's own batches."""
+    engine.cfg = dataclasses.replace(engine.cfg, **settings)
+    torch.manual_seed(0)
+    model = build_model("resnet18", 10, channels_last=True).to(dtype)
+    model, optimizer = engine.wrap(model, LARS(lars_param_groups(model), lr=2.0, momentum=0.9, weight_decay=5e-5))
+    generator = torch.Generator().manual_seed(100 + engine.rank)
+    for _ in range(steps):
+        images = torch.randn(4, 3, 16, 16, generator=generator, dtype=dtype).contiguous(memory_format=torch.channels_last)
+        labels = torch.randint(0, 10, (4,), generator=generator)
+        loss = torch.nn.functional.cross_entropy(model(images), labels)
+        engine.step(loss, optimizer, Precision("fp32", engine.device))
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in engine.unwrap(model).parameters()]
+
+
 def worst(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     """Largest per-element difference relative to the tensor's scale (its largest magnitude)."""
     return max(((x - y).abs().max() / y.abs().max().clamp_min(1e-12)).item() for x, y in zip(a, b))
@@ -102,18 +143,27 @@ def main():
         engine.dist = recorder
     else:
         engine.hvd = recorder
+    # this rank's own, unaveraged gradient: the average must really mix ranks, and stay within rounding of
+    # the exact mean
+    model = tiny_model()
+    images = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(100 + engine.rank))
+    model(images).square().mean().backward()
+    local = [p.grad for p in model.parameters()]
+    exact, bound = exact_mean_and_bound(local, engine)
     flat, _ = averaged_gradients(engine, recorder, allreduce="flat")
     hierarchical, _ = averaged_gradients(engine, recorder, allreduce="hierarchical")
-    result = {"rank": engine.rank, "hierarchical_vs_flat": worst(hierarchical, flat), "torus": {}}
+    result = {"rank": engine.rank, "hierarchical_vs_flat": worst(hierarchical, flat), "torus": {},
+              "local_gap": worst(local, flat),
+              "rounding_units": {"flat": in_rounding_units(flat, exact, bound),
+                                 "hierarchical": in_rounding_units(hierarchical, exact, bound)}}
     for rows in rows_list:
         torus, events = averaged_gradients(engine, recorder, allreduce="torus", torus_rows=rows)
         result["torus"][rows] = {"vs_flat": worst(torus, flat), "vs_hierarchical": worst(torus, hierarchical),
                                  "events": events}
-    # the average must really mix ranks: compare with this rank's own, unaveraged gradient
-    model = tiny_model()
-    images = torch.randn(4, 3, 8, 8, generator=torch.Generator().manual_seed(100 + engine.rank))
-    model(images).square().mean().backward()
-    result["local_gap"] = worst([p.grad for p in model.parameters()], flat)
+        result["rounding_units"][f"torus {rows}"] = in_rounding_units(torus, exact, bound)
+    if engine.world_size == 4:
+        flat, torus = (trained(engine, torch.float64, allreduce=way, torus_rows=2) for way in ("flat", "torus"))
+        result["float64_training_torus_vs_flat"] = worst(torus, flat)
     (out_dir / f"rank{engine.rank}.json").write_text(json.dumps(result))
     engine.shutdown()
 
