@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from helpers import run_train
+from helpers import resnet50_kept_values, run_train
 from train.device_choices import choose_loader, default_batch, loader_summary
 from train.errors import UsageError
 from train.precision import explain, resolve
@@ -83,20 +83,9 @@ def test_the_header_names_the_loader_in_its_own_words():
 
 @functools.lru_cache(maxsize=None)
 def kept_bytes_per_image(precision: str) -> float:
-    """What backward keeps of one 224 px image, counted here on ResNet-50 (docs/planner.md, Memory): the
-    input, each convolution's, BatchNorm's and the max-pool's output; 2 bytes a value in fp16 and
-    bf16, 4 in fp32."""
-    from models import build_model
-    counted = [3 * 224 * 224]
-
-    def count(module, inputs, output):
-        counted[0] += output.numel()
-    net = build_model("resnet50").to("meta")
-    for module in net.modules():
-        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.MaxPool2d)):
-            module.register_forward_hook(count)
-    net(torch.zeros(1, 3, 224, 224, device="meta"))
-    return counted[0] * (4 if precision == "fp32" else 2)
+    """What backward keeps of one 224 px image, counted here on ResNet-50 (docs/planner.md, Memory): 2 bytes
+    a value in fp16 and bf16, 4 in fp32."""
+    return resnet50_kept_values() * (4 if precision == "fp32" else 2)
 
 
 def step_fits(batch: int, memory_bytes: float, precision: str) -> bool:

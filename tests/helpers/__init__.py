@@ -258,3 +258,21 @@ def stand_in_for_horovod(monkeypatch, hvd) -> None:
     monkeypatch.setitem(sys.modules, "horovod.torch", hvd)
     if "horovod" in sys.modules:
         monkeypatch.setattr(sys.modules["horovod"], "torch", hvd, raising=False)
+
+
+def resnet50_kept_values() -> int:
+    """The values backward keeps of one 224 px image of ResNet-50, counted on the meta device (the memory
+    model's tally, docs/planner.md): the input, each convolution's output (BatchNorm's input), each
+    BatchNorm's output (ReLU runs in place on it), the max-pool's output."""
+    import torch
+    from models import build_model
+    counted = [3 * 224 * 224]
+
+    def count(module, inputs, output):
+        counted[0] += output.numel()
+    net = build_model("resnet50").to("meta")
+    for module in net.modules():
+        if isinstance(module, (torch.nn.Conv2d, torch.nn.BatchNorm2d, torch.nn.MaxPool2d)):
+            module.register_forward_hook(count)
+    net(torch.zeros(1, 3, 224, 224, device="meta"))
+    return counted[0]
