@@ -115,13 +115,14 @@ def test_a_run_counts_one_shape_per_crop_size_and_per_rank_batch_and_one_per_eva
     assert shapes("--eval-every", 0) == 2
 
 @pytest.fixture
-def fresh_dynamo(monkeypatch):
+def fresh_dynamo():
     """Dynamo without what other tests compiled, its limit restored afterwards; a small limit stands in
-    for torch's 8 (fewer shapes, the same rule)."""
+    for torch's 8 (fewer shapes, the same rule). (Dynamo's own patch: pytest's monkeypatch would delete
+    the setting at the end, and a deleted setting stays hidden from every later compile.)"""
     import torch._dynamo
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 2)
-    yield
+    with torch._dynamo.config.patch(recompile_limit=2):
+        yield
     torch._dynamo.reset()
 
 
