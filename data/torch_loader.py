@@ -167,9 +167,6 @@ class TorchLoader(FileLoader):
 
     # a batch: empty memory (the maker's, of its crop size), filled slot by slot by the threads, then
     # handed to the loop --------------------------------------------------------------------------
-    def _labels_on_device(self, labels: list[int]) -> torch.Tensor:
-        return to_device(torch.tensor(labels), self.device)
-
     def _train_slot(self, batch, slot, key, crop):
         pixels, label, skipped = train_item(self.train_source, *key, crop)
         self.train_maker.put(batch, slot, pixels)
@@ -205,7 +202,7 @@ class TorchLoader(FileLoader):
                     continue
                 if len(good) < len(labels):
                     batch = batch[good]
-                yield maker.on_device(batch), self._labels_on_device([labels[i] for i in good])
+                yield maker.on_device(batch), to_device(torch.tensor([labels[i] for i in good]), self.device)
         finally:  # the loop stopped early: drop the work queued for batches nobody will read
             for _, slots in in_flight:
                 for slot in slots:

@@ -7,20 +7,15 @@ and tests/test_dali_feed.py; the rate DALI sustains is the GPU check's figure, n
 import pytest
 import torch
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DALI_ABSENT = "DALI absent"
+from helpers.gpu import needs_cuda, require_dali
+
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def gpu_loader(tmp_path, **settings):
     """The DALI loader on GPU 0 over the embedded dataset's JPEGs (40 training, 30 validation), batch 8;
-    skipped with DALI_ABSENT where DALI is not installed (an installed DALI that fails to load fails)."""
-    try:
-        import nvidia.dali  # noqa: F401
-    except ModuleNotFoundError as err:
-        if err.name not in ("nvidia", "nvidia.dali"):
-            raise
-        pytest.skip(DALI_ABSENT)
+    skipped as `DALI absent` where DALI is not installed (an installed DALI that fails to load fails)."""
+    require_dali()
     from data.dali import DaliLoader
     from data.embedded import ensure_embedded
     from data.tree import check_tree

@@ -14,19 +14,8 @@ import pytest
 import torch
 
 from helpers import REPO, read_metrics, run_module, run_train
+from helpers.gpu import DALI_ABSENT, needs_cuda, require_dali
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-DALI_ABSENT = "DALI absent"  # scripts/gpu_check.sh reports this skip as such, and fails on any other
-
-
-def require_dali():
-    """Skip with DALI_ABSENT where DALI is not installed; an installed DALI that fails to load fails."""
-    try:
-        import nvidia.dali  # noqa: F401
-    except ModuleNotFoundError as err:
-        if err.name not in ("nvidia", "nvidia.dali"):
-            raise
-        pytest.skip(DALI_ABSENT)
 
 
 @pytest.mark.gpu
