@@ -53,11 +53,15 @@ def test_eval_flip_scores_the_mean_of_each_images_and_its_mirrors_logits(flip):
 
 
 @pytest.mark.parametrize("argv, match", [
-    (["--eval-image-size", "60"], "--eval-image-size must be 0 or a multiple of 8 from 16 on, got 60"),
-    (["--eval-image-size", "8"], "--eval-image-size must be 0 or a multiple of 8 from 16 on, got 8"),
-    (["--resolution-schedule", "160:190:1:2"], "--resolution-schedule '160:190:1:2': 190 is not a multiple of 8"),
-    (["--resolution-schedule", "160:192:5"], "--resolution-schedule '160:192:5' has 3 numbers, not 4 or 5"),
-    (["--resolution-schedule", "160:192:5:2"], "FROM not above TO"),
+    (["--eval-image-size", "8"], "--eval-image-size must be 0 (as --image-size) or a crop size from 16 to 1024 px, got 8"),
+    (["--eval-image-size", "1025"], "--eval-image-size must be 0 (as --image-size) or a crop size from 16 to 1024 px"),
+    (["--image-size", "1025"], "--image-size must be a crop size from 16 to 1024 px, got 1025"),
+    (["--resolution-schedule", "160:192:1:2:12"], "--resolution-schedule '160:192:1:2:12': STEP 12 is not a multiple "
+                                                  "of 8 (the ramp rounds its sizes to multiples of STEP); give 8, 16"),
+    (["--resolution-schedule", "160:192:5"], "--resolution-schedule '160:192:5': has 3 values, not 4 or 5"),
+    (["--resolution-schedule", "160:192:5:2"], "FROM 5 is after TO 2; give FROM not above TO"),
+    (["--resolution-schedule", "160:192:0.5:1.5"], "FROM 0.5 is not a whole number of epochs"),
+    (["--resolution-schedule", "-8:32:0:1"], "--resolution-schedule '-8:32:0:1': START -8 is not a crop size"),
     (["--ema-decay", "1"], "--ema-decay must be in [0, 1), got 1.0"),
     (["--ema-decay", "-0.1"], "--ema-decay must be in [0, 1), got -0.1"),
 ])
@@ -161,7 +165,7 @@ def test_the_flops_of_a_resized_run_count_each_epoch_at_its_crop_size():
               "num_classes": 10}
     by_hand = (100 * train_flops_per_image("resnet18", 16, 10) + 200 * train_flops_per_image("resnet18", 32, 10)
                + 50 * eval_flops_per_image("resnet18", 40, 10))
-    assert run_flop(config, 300, 50, {1: 100, 2: 200, 3: 300}) == pytest.approx(by_hand)
+    assert run_flop(config, 300, 50, [{"kind": "epoch", "epoch": e, "images": n} for e, n in ((1, 100), (2, 200), (3, 300))]) == pytest.approx(by_hand)
 
 
 # the average of the weights --------------------------------------------------------------------

@@ -2,10 +2,13 @@
 (HPC AI500: FLOPS x (top1 / target) ** n, image classification target 0.763, n 5) and the MLPerf
 verdict of training runs; `--time-s T --top1 A [--epochs 90]` scores a published result the same way.
 
-FLOPs are counted, not assumed: training FLOPs per image of the run's arch, image size and class
-count (models.train_flops_per_image) x images trained, plus forward FLOPs x images evaluated. The
-class count is the `num_classes` the run recorded in config.yaml; for a run made before runs did,
-it is guessed from the data (`synthetic_classes`, 1000 with a data_dir, else the embedded ten).
+FLOPs are counted, not assumed, from what the run's records say (docs/valid_flops.md): training
+FLOPs per image of the run's arch, class count and BlurPool (models.train_flops_per_image) x images
+trained, each image at the crop size its epoch record in metrics.jsonl holds (the settings' size for
+a record without one), plus forward FLOPs at the evaluation's size x images evaluated, twice with
+--eval-flip. The class count is the `num_classes` the run recorded in config.yaml; for a run made
+before runs did, it is guessed from the data (`synthetic_classes`, 1000 with a data_dir, else the
+embedded ten).
 
 A resumed run (metrics.jsonl has a `resume` record at the start of each later segment, with the
 downtime `gap_s`) is measured in training time, the downtime excluded: time to quality, time to

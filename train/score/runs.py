@@ -208,9 +208,7 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
     eval_images = sum(m.get("eval_images", 0) for m in metrics if m.get("kind") == "eval")
     top1 = float(log.evals[-1]["value"])
     reached = [e for e in log.evals if e["value"] >= mlperf_target]
-    epoch_ends = {round(m["epoch"]): m["images"] for m in trained if m.get("kind") == "epoch"  # (whole epochs:
-                  and isinstance(m.get("epoch"), (int, float)) and m["epoch"] == round(m["epoch"])}  # where resizing steps)
-    total_flop = run_flop(config, images, eval_images, epoch_ends)
+    total_flop = run_flop(config, images, eval_images, [m for m in trained if m.get("kind") == "epoch"])
     flops = total_flop / seconds
     level, reason = hpc_ai500_level(config)
     verdict = _mlperf_verdict(mllog, log, no_verdict, check)
