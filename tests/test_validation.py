@@ -56,6 +56,10 @@ def test_every_number_flag_has_a_lower_bound(field):
     (["--seed", 2 ** 32], "--seed must be in [0, 2**32)"),
     (["--max-steps", -5, "--show-recipe"], "--max-steps must be 0 or more, got -5"),
     (["--lr-schedule", "phases", "--lr-phases", "nan:0.5"], "--lr-phases 'nan:0.5': give finite numbers"),
+    (["--lr-schedule", "phases", "--lr-phases", "-1:2"], "--lr-phases '-1:2': give EPOCHS:FACTOR pairs with positive"),
+    (["--image-size", 100000], "--image-size must be a crop size from 16 to 1024 px, got 100000"),
+    (["--eval-image-size", 100000], "--eval-image-size must be 0 (as --image-size) or a crop size from 16 to 1024 px"),
+    (["--resolution-schedule", "24:100000:0:1:8"], "END 100000 is not a crop size from 16 to 1024 px"),
 ])
 def test_out_of_range_values_are_refused(argv, match):
     assert match in refusal(*argv)
@@ -65,6 +69,8 @@ def test_values_at_the_edges_of_their_ranges_are_accepted():
     cfg = parse(["--momentum", "0", "--target-accuracy", "1", "--weight-decay", "0", "--lr-decay-factor", "1",
                  "--seed", str(2 ** 32 - 1), "--warmup-epochs", "-1", "--target-accuracy", "0.759"])
     assert (cfg.momentum, cfg.target_accuracy, cfg.seed) == (0, 0.759, 2 ** 32 - 1)
+    cfg = parse(["--image-size", "1024", "--eval-image-size", "16", "--resolution-schedule", "16:1024:0:1"])
+    assert (cfg.image_size, cfg.eval_image_size, cfg.resolution_schedule) == (1024, 16, "16:1024:0:1")
 
 
 def test_a_batch_change_at_or_after_the_last_epoch_is_refused():

@@ -18,6 +18,7 @@ import yaml
 from train.command import CommandParser
 from train.config import CHOICES, FIELDS, GROUPS, Config
 from train.errors import UsageError
+from train.schedule import MAX_CROP, MIN_CROP, NO_RAMP
 
 
 def preset_names() -> list[str]:
@@ -154,7 +155,8 @@ def parse(argv: list[str]) -> Config:
         # start-up checks that the command defines the same run (startup.check_same_run)
         values["restarted"] = True
         flags["resume"] = checkpoint.resumable(Path(out_dir))
-    if (flags.get("resume") and not values.get("restarted")) or flags.get("test_only"):
+    from_saved = (flags.get("resume") and not values.get("restarted")) or flags.get("test_only")
+    if from_saved:
         what = "--test-only" if flags.get("test_only") else "--resume"
         if not out_dir:
             raise UsageError(f"{what} needs --out-dir naming the run")
@@ -173,7 +175,10 @@ def parse(argv: list[str]) -> Config:
         saved = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config").get("global_batch_size")
         if saved:
             values.update(batch_size=0, global_batch_size=saved, command_batch_size=flags.pop("batch_size", 0))
+    leave_out_ramp(values, flags, out_dir, "the run's saved config" if from_saved else f"preset {preset}")
     values.update(flags)
+    if values.get("resolution_schedule", "").strip().lower() in NO_RAMP:
+        values["resolution_schedule"] = ""  # (config.yaml records no ramp one way, whichever word said it)
     if values.get("tensorboard", True) and importlib.util.find_spec("tensorboard") is None:
         if flags.get("tensorboard"):
             raise UsageError("--tensorboard needs the tensorboard package; pip install tensorboard, or drop the flag")
@@ -187,8 +192,11 @@ ZERO_OR_MORE = (lambda v: v >= 0, "0 or more")
 AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
 ABOVE_0 = (lambda v: v > 0, "more than 0")
 BELOW_1 = (lambda v: 0 <= v < 1, "in [0, 1)")
+# one rule for every crop size, training and evaluation alike; the upper bound stops a typo (100000 px) here,
+# not at an allocation of over 100 GB once the run has started
+CROP_SIZE = f"a crop size from {MIN_CROP} to {MAX_CROP} px"
 BOUNDS = {
-    "workers": ZERO_OR_MORE, "threads": ZERO_OR_MORE, "image_size": (lambda v: v >= 16, "at least 16"),
+    "workers": ZERO_OR_MORE, "threads": ZERO_OR_MORE, "image_size": (lambda v: MIN_CROP <= v <= MAX_CROP, CROP_SIZE),
     "crop_min_scale": (lambda v: 0 < v <= 1, "in (0, 1]"), "crop_max_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "crop_min_aspect": ABOVE_0, "crop_max_aspect": ABOVE_0,
     "synthetic_images": AT_LEAST_1, "synthetic_val_images": ZERO_OR_MORE, "synthetic_classes": AT_LEAST_1,
@@ -202,7 +210,8 @@ BOUNDS = {
     "rmsprop_alpha": BELOW_1, "rmsprop_epsilon": ABOVE_0,
     "momentum": BELOW_1, "weight_decay": ZERO_OR_MORE, "lars_eta": ABOVE_0, "lars_epsilon": ZERO_OR_MORE,
     "label_smoothing": BELOW_1, "augment_off_epoch": ZERO_OR_MORE, "eval_every": ZERO_OR_MORE,
-    "eval_offset": ZERO_OR_MORE, "eval_image_size": (lambda v: v == 0 or (v >= 16 and v % 8 == 0), "0 or a multiple of 8 from 16 on"),
+    "eval_offset": ZERO_OR_MORE,
+    "eval_image_size": (lambda v: v == 0 or MIN_CROP <= v <= MAX_CROP, f"0 (as --image-size) or {CROP_SIZE}"),
     "ema_decay": BELOW_1, "target_accuracy": (lambda v: 0 <= v <= 1, "a fraction in (0, 1] (0: run all epochs)"),
     "ranks_per_node": ZERO_OR_MORE, "torus_rows": ZERO_OR_MORE, "bn_span": AT_LEAST_1, "stop_check_every": ZERO_OR_MORE,
     "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32)"), "max_steps": ZERO_OR_MORE, "log_every": AT_LEAST_1,
@@ -272,6 +281,20 @@ def _check_combinations(cfg: Config) -> None:
                                      and cfg.lr_schedule == "warmup-poly"),
           "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "
           "MLPerf closed division; use --division open")
+
+
+def leave_out_ramp(values: dict, flags: dict, out_dir: str, source: str) -> None:
+    """An --image-size given without --resolution-schedule trains at that size throughout: the ramp of
+    the preset (or of a --resume'd run's saved config) would override it from the first epoch, so it
+    is left out, and the header says so (schedule.crop_note). A restarted run that recorded the ramp
+    keeps it: the same command continues the same run, whichever rule made it."""
+    ramp = values.get("resolution_schedule", "")
+    if "image_size" not in flags or "resolution_schedule" in flags or ramp.strip().lower() in NO_RAMP:
+        return
+    if values.get("restarted") and ramp == load_yaml_overrides(str(Path(out_dir) / "config.yaml"),
+                                                               "saved config").get("resolution_schedule"):
+        return
+    values.update(resolution_schedule="", ramp_left_out=f"--resolution-schedule {ramp} of {source}")
 
 
 def job_out_dir(preset: str) -> str:

@@ -36,8 +36,8 @@ class Config:
     dali_decode: str = setting("auto", "where --loader dali decodes JPEGs; auto: on the GPU where there is one (nvJPEG), else on the CPU", DATA, choices=("auto", "cpu", "gpu"))
     workers: int = setting(4, "input threads per rank: the torch loader's decoding threads; DALI's reader processes and CPU threads (at least 6 CPU threads per GPU where nvJPEG decodes: docs/gpu.md)", DATA)
     threads: int = setting(0, "compute threads per rank (torch's intra-op threads; 0: OMP_NUM_THREADS if set, else the cores this process may use shared by the ranks on its host, less the loader's --workers on a GPU run, at least 1; docs/threads.md)", SPEED)
-    image_size: int = setting(224, "training crop size in pixels (and the evaluation's unless --eval-image-size)", DATA, defines_run=True)
-    resolution_schedule: str = setting("", "progressive resizing (FFCV): training crops of START px until FROM epochs are done, of END px once TO are, between them a straight line rounded to a multiple of 32 (':STEP' after TO rounds to multiples of STEP); START, END and STEP multiples of 8; the evaluation stays at --eval-image-size (or --image-size); e.g. 160:192:65:76 (default: --image-size throughout)", DATA, defines_run=True, metavar="START:END:FROM:TO")
+    image_size: int = setting(224, "training crop size in pixels, 16 to 1024 (and the evaluation's unless --eval-image-size); given without --resolution-schedule, the run trains at it throughout: a preset's (or a --resume'd run's) ramp is left out, and the header says so", DATA, defines_run=True)
+    resolution_schedule: str = setting("", "progressive resizing (FFCV): training crops of START px until FROM epochs are done, of END px once TO are, between them a straight line rounded to a multiple of 32 (':STEP' after TO rounds to multiples of STEP, a multiple of 8); START and END from 16 to 1024 px, END below START shrinks the crops; the evaluation stays at --eval-image-size (or --image-size); e.g. 160:192:65:76; '', none or off: no ramp (default: --image-size throughout)", DATA, defines_run=True, metavar="START:END:FROM:TO")
     crop_min_scale: float = setting(0.08, "smallest area fraction of random-resized-crop", DATA, defines_run=True)
     crop_max_scale: float = setting(1.0, "largest area fraction of random-resized-crop", DATA, defines_run=True)
     crop_min_aspect: float = setting(3 / 4, "smallest aspect ratio of random-resized-crop", DATA, defines_run=True)
@@ -90,7 +90,8 @@ class Config:
     # evaluation
     eval_every: int = setting(4, "evaluate every N epochs (0: never)", EVALUATION)
     eval_offset: int = setting(0, "evaluate after epoch e when (e + offset) %% eval_every == 0", EVALUATION)
-    eval_image_size: int = setting(0, "evaluation crop size in pixels, a multiple of 8 (0: --image-size); above the training size it offsets the smaller apparent object size of random-resized crops (Touvron et al. 2019, FFCV: train at 192, evaluate at 256); --test-only, predict and export take it too", EVALUATION)
+    eval_image_size: int = setting(0, "evaluation crop size in pixels, 16 to 1024 as --image-size (0: --image-size); above the training size it offsets the smaller apparent object size of random-resized crops (Touvron et al. 2019, FFCV: train at 192, evaluate at 256); --test-only takes it too, predict and export the run's", EVALUATION)
+    raw_weights: bool = setting(False, "--test-only: evaluate the weights as trained, not the --ema-decay average the run evaluated and kept (predict and export take --raw-weights too)", EVALUATION)
     eval_flip: bool = setting(False, "test-time augmentation: each evaluation image also mirrored, the two logits averaged (twice the evaluation's forward passes)", EVALUATION)
     target_accuracy: float = setting(0.0, "stop once top-1, a fraction (0.759 for 75.9 percent), reaches this (0: run all epochs)", EVALUATION)
     # run
@@ -117,6 +118,7 @@ class Config:
     init_from: str = setting("", "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)", CHECKPOINTS, defines_run=True, metavar="PATH")
     command_batch_size: int = field(default=0, metadata={"internal": True})  # set by parse: a restart's --batch-size, not taken
     restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
+    ramp_left_out: str = field(default="", metadata={"internal": True})  # set by parse: the ramp an explicit --image-size left out, and whose ("--resolution-schedule R of preset P")
     show_recipe: bool = setting(False, "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop", PRESETS)
     test_only: bool = setting(False, "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run", EVALUATION)
     checkpoint: str = setting("", "--test-only evaluates this checkpoint: a file in --out-dir (checkpoint-best.pt, checkpoint-epoch010.pt: --keep-checkpoints) or a path (default: --out-dir's checkpoint.pt)", EVALUATION, metavar="PATH")

@@ -129,27 +129,65 @@ class ResolutionRamp:
         return [self(epoch) for epoch in range(epochs)]
 
 
+# every crop size in px (--image-size, --eval-image-size, the ramp's ends; docs/time_to_accuracy.md)
+MIN_CROP, MAX_CROP = 16, 1024
+NO_RAMP = ("", "none", "off")  # --resolution-schedule's words for "no ramp"
+
+
 def resolution_ramp(text: str) -> ResolutionRamp | None:
-    """--resolution-schedule's ramp, None for ''; a ValueError naming the flag when it is not one."""
-    if not text.strip():
+    """--resolution-schedule's ramp, None for '', 'none' or 'off'; a ValueError naming the flag, the
+    value and what to give when it is not one."""
+    if text.strip().lower() in NO_RAMP:
         return None
-    example = "write START:END:FROM:TO[:STEP] in pixels and epochs, e.g. 160:192:65:76"
-    try:
-        numbers = [int(part) for part in text.split(":")]
-    except ValueError:
-        raise ValueError(f"--resolution-schedule {text!r} is not numbers; {example}") from None
-    if len(numbers) not in (4, 5):
-        raise ValueError(f"--resolution-schedule {text!r} has {len(numbers)} numbers, not 4 or 5; {example}")
+    said, example = f"--resolution-schedule {text!r}", "e.g. 160:192:65:76"
+    parts = [part.strip() for part in text.split(":")]
+    if len(parts) not in (4, 5):
+        raise ValueError(f"{said}: has {len(parts)} value{'s' if len(parts) > 1 else ''}, not 4 or 5; give "
+                         f"START:END:FROM:TO[:STEP], {example}")
+    numbers = []
+    units = ("pixels", "pixels", "epochs", "epochs", "pixels")
+    for part, name, unit in zip(parts, ("START", "END", "FROM", "TO", "STEP"), units):
+        try:
+            numbers.append(int(part))
+        except ValueError:
+            what = f"{part} is not a whole number" if _is_number(part) else f"{part!r} is not a number"
+            raise ValueError(f"{said}: {name} {what} of {unit}; give whole {unit}, {example}") from None
     start, end, first, last, step = numbers + [32] * (5 - len(numbers))
-    odd = next((n for n in (start, end, step) if n < 8 or n % 8), None)
-    if odd is not None:
-        raise ValueError(f"--resolution-schedule {text!r}: {odd} is not a multiple of 8; give resolutions and a "
-                         "step that are (160, 192, 32)")
-    if min(start, end) < 16:
-        raise ValueError(f"--resolution-schedule {text!r}: resolutions start at 16; give larger ones")
-    if first < 0 or last < first:
-        raise ValueError(f"--resolution-schedule {text!r}: the ramp's epochs must be 0 or more, FROM not above TO")
+    for name, size in (("START", start), ("END", end)):
+        if not MIN_CROP <= size <= MAX_CROP:
+            raise ValueError(f"{said}: {name} {size} is not a crop size from {MIN_CROP} to {MAX_CROP} px; give one "
+                             f"in that range, {example}")
+    if step < 8 or step % 8:
+        raise ValueError(f"{said}: STEP {step} is not a multiple of 8 (the ramp rounds its sizes to multiples of "
+                         "STEP); give 8, 16, 32 or another multiple of 8, e.g. 160:192:65:76:32")
+    if first < 0:
+        raise ValueError(f"{said}: FROM {first} is not 0 or more; give the epochs done before the ramp, {example}")
+    if last < first:
+        raise ValueError(f"{said}: FROM {first} is after TO {last}; give FROM not above TO, {example}")
     return ResolutionRamp(start, end, first, last, step)
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def crop_note(cfg) -> str:
+    """The header's word on a run's training crops, "" when there is none to say: the ramp an explicit
+    --image-size left out (train/cli.py), a ramp that never moves within the run's epochs (the crop
+    size it keeps), a ramp that shrinks."""
+    notes = [f"{cfg.ramp_left_out} left out: --image-size {cfg.image_size} given"] if cfg.ramp_left_out else []
+    ramp = resolution_ramp(cfg.resolution_schedule)
+    if ramp and ramp.start != ramp.end:
+        if set(ramp.sizes(cfg.epochs)) == {ramp.start}:
+            why = f"FROM {ramp.first}" if ramp.first >= cfg.epochs - 1 else f"rounded to multiples of {ramp.step}"
+            notes.append(f"the ramp keeps {ramp.start} px crops throughout this {cfg.epochs}-epoch run ({why})")
+        elif ramp.end < ramp.start:
+            notes.append(f"the ramp shrinks the training crops from {ramp.start} to {ramp.end} px")
+    return "; ".join(notes)
 
 
 def training_crops(image_size: int, resolution_schedule: str) -> tuple[int, int]:

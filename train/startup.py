@@ -24,7 +24,7 @@ from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision, check_crop
 from train.rules import DEFAULT_PER_RANK_BATCH, batch_sizes, lr_and_warmup
-from train.schedule import EpochClock, batch_changes, batch_phases, training_crops
+from train.schedule import EpochClock, batch_changes, batch_phases, crop_note, training_crops
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
 
@@ -38,7 +38,7 @@ class Setup:
     precision: Precision
     loader: object  # this rank's share of the data (data.Loader)
     data_dir: str  # "" for synthetic data
-    notes: dict  # for the header: how the LR and warmup ("lr") and the per-GPU batch ("batch") were chosen
+    notes: dict  # for the header: how the LR and warmup ("lr") and the per-GPU batch ("batch") were chosen, the crops ("crops")
     out_dir: Path
     lock: "runlock.RunLock | None"  # rank 0's lock on the run directory (it moves with rank 0: train/elastic.py)
     init: "tuple[dict, str] | None"  # --init-from's checked weights and the line that says where the run starts
@@ -216,7 +216,8 @@ def checked_setup(cfg: Config, engine, out_dir: str):
         if run.resume:
             _check_resume_position(run, loader)
     warnings = [line for line in (precision.warning, loader_warning) if line]
-    return run, loader, precision, data_dir, {"lr": note, "batch": batch_note}, init, warnings
+    notes = {"lr": note, "batch": batch_note, "crops": crop_note(cfg)}
+    return run, loader, precision, data_dir, notes, init, warnings
 
 
 def resolved(cfg: Config, **chosen) -> Run:
