@@ -203,3 +203,21 @@ def test_a_run_lost_before_its_first_checkpoint_starts_again_when_restarted(tmp_
     assert (tmp_path / "run" / "metrics.jsonl.lost").exists()  # the lost attempt's log, moved aside
     steps = [r["step"] for r in read_metrics(tmp_path / "run") if r["kind"] == "train"]
     assert steps == list(range(1, 33))  # the lost attempt's records are gone, not doubled
+
+
+@pytest.mark.slow
+def test_a_resume_says_its_crop_size_against_the_checkpoints(tmp_path):
+    """Crops of 16 px in epochs 1 and 2, 24 px (the --image-size) in epoch 3; 4 steps an epoch. A resume
+    into epoch 3 after epoch 2 says the size changed from the checkpoint's 16 px, though it is
+    --image-size's; a resume in the middle of epoch 3 names the size it goes on with."""
+    command = ["--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 24,
+               "--resolution-schedule", "16:24:1:2:8", "--synthetic-images", 32, "--synthetic-val-images", 8,
+               "--synthetic-classes", 10, "--global-batch-size", 8, "--epochs", 3, "--eval-every", 0]
+
+    def crop_lines(max_steps):
+        done = run_train(*command, "--max-steps", max_steps, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return [line for line in done.stdout.splitlines() if "training crops" in line]
+    assert crop_lines(8) == ["epoch 1: training crops of 16 px"]  # (epoch 2: the same size, nothing to say)
+    assert crop_lines(10) == ["epoch 3: training crops of 24 px (16 px before the resume)"]
+    assert crop_lines(0) == ["epoch 3: training crops of 24 px"]

@@ -110,7 +110,7 @@ def test_warmup_never_takes_most_of_a_short_run():
     lr, warmup, note = lr_and_warmup(Config(epochs=3), 64)
     assert (lr, warmup) == (pytest.approx(4.0), pytest.approx(1.2)) and "run length" in note
     _, warmup, note = lr_and_warmup(Config(epochs=1, warmup_epochs=5, lr=1), 64)
-    assert warmup == pytest.approx(0.4) and "warmup 5 epochs cut to 0.4" in note
+    assert warmup == pytest.approx(0.4) and "warmup cut from 5 to 0.4 epochs" in note
     assert lr_and_warmup(Config(epochs=10, warmup_epochs=6, lr=1), 64)[1] == 6  # given and shorter: kept
 
 

@@ -106,3 +106,84 @@ def test_the_header_says_the_threads_and_threads_sets_them(tmp_path, flags):
     done = run_train("--out-dir", "run", *RUN, "--loader", "torch", "--max-steps", 1, *flags, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr
     assert f"on cpu, {threads} thread{'s' if threads > 1 else ''} |" in done.stdout, done.stdout
+
+
+def header_of(**settings) -> str:
+    """The header line of a one-rank CPU run on synthetic data with these settings (start-up's notes
+    among them: lr, batch, crops)."""
+    import torch
+    from train.config import Config
+    from train.precision import Precision
+    from train.runlog import run_header
+    notes = {"lr": settings.pop("lr_note", ""), "batch": "", "crops": settings.pop("crops_note", "")}
+    cfg = Config(**{"loader": "synthetic", "batch_size": 8, "global_batch_size": 8, "lr": 4.0, "warmup_epochs": 2.0,
+                    "image_size": 32, **settings})
+    setup = SimpleNamespace(engine=SimpleNamespace(device=torch.device("cpu"), hosts=None, world_size=1),
+                            loader=SimpleNamespace(num_classes=10, train_images=100, val_images=20), notes=notes,
+                            data_dir="")
+    return run_header(setup, cfg, Precision("fp32", torch.device("cpu")), "run")[0]
+
+
+def test_a_plain_runs_header_names_its_schedule_and_crops_and_no_more():
+    parts = header_of().split(" | ")
+    assert parts[0].startswith("training resnet50 on synthetic data: ")
+    assert parts[2:4] == ["lars lr 4, warmup 2 epochs, then poly decay (power 2) to 0.0001", "crops 32 px"]
+
+
+@pytest.mark.parametrize("settings, part, said", [
+    ({"blurpool": True}, 0, "training resnet50 + BlurPool on synthetic data: 10 classes, 100 train / 20 val images"),
+    ({"blurpool": True, "ema_decay": 0.9999}, 0,
+     "training resnet50 + BlurPool + weight average (decay 0.9999) on synthetic data: 10 classes, 100 train / 20 val images"),
+    ({"lr_schedule": "cosine", "lr_note": "lr from global batch 8"}, 2,
+     "lars lr 4, warmup 2 epochs (lr from global batch 8), then cosine to 0"),
+    ({"optimizer": "sgd", "lr_schedule": "linear"}, 2, "sgd lr 4, warmup 2 epochs, then linear to 0"),
+    ({"lr_schedule": "multistep", "lr_decay_epochs": "3,6"}, 2, "lars lr 4, warmup 2 epochs, then multistep x0.1 after epochs 3,6"),
+    ({"lr_decay_power": 1.5, "end_lr": 0.01}, 2, "lars lr 4, warmup 2 epochs, then poly decay (power 1.5) to 0.01"),
+    ({"eval_image_size": 40}, 3, "crops 32 px, eval at 40 px"),
+    ({"eval_flip": True}, 3, "crops 32 px, eval with flips"),
+    ({"eval_image_size": 32, "eval_flip": True}, 3, "crops 32 px, eval with flips"),  # (its own size: plain)
+    ({"resolution_schedule": "24:32:4:7:8", "eval_flip": True}, 3,
+     "crops 24 to 32 px (ramp 24:32:4:7:8), eval at 32 px with flips"),
+    ({"resolution_schedule": "160:192:65:76", "crops_note": "the ramp lies past the run's end"}, 3,
+     "crops 160 to 192 px (ramp 160:192:65:76; the ramp lies past the run's end), eval at 32 px"),
+    ({"crops_note": "a note on the crops"}, 3, "crops 32 px (a note on the crops)"),
+])
+def test_the_header_names_the_model_lr_schedule_crops_and_evaluation(settings, part, said):
+    parts = header_of(**settings).split(" | ")
+    assert len(parts) == 7 and parts[part] == said, parts
+
+
+@pytest.mark.slow
+def test_a_runs_header_says_its_methods_and_a_presets_lr_kept_for_another_batch(tmp_path):
+    """The smoke preset's lr 4 is for global batch 64; a warmup longer than the run is cut."""
+    done = run_train("--out-dir", "run", *RUN, "--max-steps", 1, "--blurpool", "--ema-decay", 0.5, "--lr-schedule",
+                     "cosine", "--eval-flip", "--eval-image-size", 24, "--warmup-epochs", 3, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    parts = done.stdout.splitlines()[0].split(" | ")
+    assert parts[0].startswith("training resnet18 + BlurPool + weight average (decay 0.5) on synthetic data:"), parts
+    assert parts[2] == ("lars lr 4, warmup 0.8 epochs (the preset's lr 4 is for global batch 64, not 8; give --lr or "
+                        "--lr-per-256 to change it; warmup cut from 3 to 0.8 epochs: a warmup longer than the 2-epoch "
+                        "run leaves no decay), then cosine to 0"), parts
+    assert parts[3] == "crops 16 px, eval at 24 px with flips", parts
+
+
+def test_a_presets_lr_kept_for_another_global_batch_is_noted():
+    ffcv = {"preset": "ffcv-rn50-16ep", "optimizer": "sgd", "lr": 1.7, "lr_schedule": "linear"}  # (as the preset sets)
+
+    def lr_part(**settings):
+        return header_of(**{**ffcv, **settings}).split(" | ")[2]
+    assert lr_part(global_batch_size=64) == ("sgd lr 1.7, warmup 2 epochs (the preset's lr 1.7 is for global batch 1024, "
+                                             "not 64; give --lr or --lr-per-256 to change it), then linear to 0")
+    assert lr_part(global_batch_size=1024) == "sgd lr 1.7, warmup 2 epochs, then linear to 0"  # the preset's own batch
+    assert "preset" not in lr_part(global_batch_size=64, lr=0.1)  # another --lr: the user's own
+    assert "preset" not in lr_part(global_batch_size=64, lr=0.425, lr_per_256=1.7)  # follows the batch
+    assert "preset" not in lr_part(global_batch_size=64, preset="")
+
+
+def test_a_warmup_cut_to_fit_the_run_says_what_happened_in_order():
+    from train.config import Config
+    from train.rules import lr_and_warmup
+    assert lr_and_warmup(Config(epochs=2, warmup_epochs=2, lr=1), 64)[1:] == (
+        0.8, "warmup cut from 2 to 0.8 epochs: a warmup as long as the 2-epoch run leaves no decay")
+    assert lr_and_warmup(Config(epochs=1, warmup_epochs=5, lr=1), 64)[2] == \
+        "warmup cut from 5 to 0.4 epochs: a warmup longer than the 1-epoch run leaves no decay"

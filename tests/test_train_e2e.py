@@ -162,7 +162,8 @@ def test_a_warmup_longer_than_the_run_is_cut_and_said(tmp_path):
                        "--global-batch-size", 4, "--synthetic-images", 40, "--synthetic-classes", 10, "--epochs", 1,
                        "--warmup-epochs", 5, "--lr", 2.0, "--log-every", 1, "--eval-every", 0, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    assert "warmup 0.4 epochs (warmup 5 epochs cut to 0.4: not shorter than the 1-epoch run)" in result.stdout
+    assert "warmup 0.4 epochs (warmup cut from 5 to 0.4 epochs: a warmup longer than the 1-epoch run leaves no decay)" \
+        in result.stdout
     lr = {m["step"]: m["lr"] for m in read_metrics(tmp_path / "run") if m["kind"] == "train"}
     assert lr[4] == pytest.approx(2.0) and lr[10] == pytest.approx(1e-4)  # peak after 4 steps, the end LR at the end
 

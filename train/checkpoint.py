@@ -375,10 +375,11 @@ def left_to_continue(run_dir: Path, written: bool) -> str:
         return f"{off}no checkpoint was written yet in {run_dir}"
 
 
-def evaluated_weights(state: dict) -> dict:
+def evaluated_weights(state: dict, raw: bool = False) -> dict:
     """The weights a checkpoint's run evaluated: the average of the weights under "ema" when the run
-    kept one (--ema-decay), else the trained weights under "model"."""
-    return state["ema"] if isinstance(state.get("ema"), dict) else state["model"]
+    kept one (--ema-decay), else the trained weights under "model"; with `raw` (--raw-weights) the
+    trained weights whatever the run kept."""
+    return state["ema"] if isinstance(state.get("ema"), dict) and not raw else state["model"]
 
 
 # Where other scripts' checkpoints keep the weights (the first found wins): this trainer's and torchvision's

@@ -2,15 +2,18 @@
 loop's at each evaluation point); whether the ranks' models are still replicas (`replicas_differing`);
 and `--test-only` (`test_only`): a saved checkpoint evaluated, nothing of the run changed."""
 import hashlib
+from pathlib import Path
 
 import torch
+import yaml
 
 from data.progress import Progress
 from data.transfer import to_device
 from models import build_model
 from train import checkpoint
 from train.config import Config
-from train.startup import prepare_evaluation
+from train.errors import UsageError
+from train.startup import on_every_rank, prepare_evaluation
 
 
 def replicas_differing(model, engine) -> int:
@@ -66,13 +69,57 @@ def padded(batch: torch.Tensor, size: int) -> torch.Tensor:
 
 def test_only(cfg: Config) -> tuple[float, float, int]:
     """`--test-only`: the checkpoint in --out-dir evaluated over the validation set of its run's data
-    (or --data-dir), on any engine and rank count; nothing in the run directory changes."""
+    (or --data-dir), on any engine and rank count; nothing in the run directory changes. The model is
+    the checkpoint's run's (a model flag that contradicts it is refused), its weights the ones the run
+    evaluated (--raw-weights: the trained ones)."""
     engine, precision, loader, state = prepare_evaluation(cfg)
-    model = build_model(cfg.arch, loader.num_classes, channels_last=cfg.channels_last,
-                        blurpool=cfg.blurpool).to(engine.device)
-    model.load_state_dict(checkpoint.evaluated_weights(state))  # (--ema-decay: the average)
+    settings = on_every_rank(engine, lambda: model_settings(cfg, state))
+    model = build_model(settings["arch"], loader.num_classes, channels_last=cfg.channels_last,
+                        blurpool=settings["blurpool"]).to(engine.device)
+    model.load_state_dict(checkpoint.evaluated_weights(state, raw=cfg.raw_weights))  # (--ema-decay: the average)
     top1, top5, images = evaluate(model, loader, precision, engine, cfg.eval_flip)
     if engine.rank == 0:
         print(f"top-1 {top1:.4f}  top-5 {top5:.4f}  ({images} images)", flush=True)
     engine.shutdown()
     return top1, top5, images
+
+
+# The settings that make the evaluated model what it is: another value builds another network (arch,
+# blurpool) or evaluates other weights (ema_decay: the average the run kept, or none). zero_init_residual
+# only sets the initial weights and channels_last the memory layout: the checkpoint's weights give the
+# same logits whatever they say. (The evaluation's own settings, --eval-image-size, --eval-flip, the
+# data and the batch, may change.)
+MODEL_SETTINGS = ("arch", "blurpool", "ema_decay")
+
+
+def model_settings(cfg: Config, state: dict) -> dict:
+    """The model settings of the checkpoint's run, from its own record (a --resume that changed them
+    after this checkpoint rewrote config.yaml). A flag given to --test-only (a value config.yaml does not
+    hold) that contradicts them is refused."""
+    recorded = state.get("config") or {}  # (none in a checkpoint of another script: the flags then)
+    saved = yaml.safe_load((Path(cfg.out_dir) / "config.yaml").read_text()) or {}
+    settings = {}
+    for name in MODEL_SETTINGS:
+        asked = getattr(cfg, name)
+        settings[name] = recorded.get(name, asked)
+        if asked != settings[name] and asked != saved.get(name, asked):
+            raise UsageError(contradiction(name, asked, settings[name]))
+    return settings
+
+
+def contradiction(name: str, asked, recorded) -> str:
+    """The one line that refuses a --test-only flag contradicting the checkpoint's run."""
+    if name == "ema_decay" and not asked:
+        return (f"--ema-decay 0 contradicts the checkpoint (its run kept an average of the weights, --ema-decay "
+                f"{recorded:g}, which --test-only evaluates); give --raw-weights instead to evaluate the trained weights")
+    if name == "ema_decay":
+        kept = f"the average of --ema-decay {recorded:g}" if recorded else "no average of the weights"
+        return f"--ema-decay {asked:g} contradicts the checkpoint (its run kept {kept}); drop it"
+    return f"{as_flag(name, asked)} contradicts the checkpoint (its run trained with {as_flag(name, recorded)}); drop it"
+
+
+def as_flag(name: str, value) -> str:
+    flag = "--" + name.replace("_", "-")
+    if isinstance(value, bool):
+        return flag if value else f"--no-{flag[2:]}"
+    return f"{flag} {value}"

@@ -28,7 +28,7 @@ from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.compiled import compile_in_place, run_shapes
 from train.config import Config
-from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
+from train.errors import Diverged, Preempted, RunAborted, UsageError, raised_everywhere
 from train.ema import WeightAverage
 from train.evaluate import evaluate, replicas_differing
 from train.hooks import HookList, LoopHooks
@@ -37,12 +37,15 @@ from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
 from train.runlog import RunLog, count, progress, run_header
 from train.saving import Checkpointing
-from train.schedule import EpochClock, EvalPlan, build_schedule
+from train.schedule import EpochClock, EvalPlan, build_schedule, resolution_ramp
 from train.startup import Setup, prepare
 from train.stopping import FlagChecks, StopSignal
 
 
 def run(cfg: Config, hooks: "tuple[LoopHooks, ...]" = ()) -> dict:
+    if cfg.raw_weights:  # (every rank alike: rank 0 says it)
+        raise raised_everywhere(UsageError("--raw-weights is --test-only's (it evaluates the trained weights, not the "
+                                           "--ema-decay average); add --test-only, or drop it"))
     setup = prepare(cfg)  # train/startup.py: everything that can fail, before the run's first step
     try:
         return _train(Training(setup, hooks))
@@ -132,6 +135,8 @@ class Training(Checkpointing):
         self.model, self.optimizer = engine.wrap(model, optimizer)
         # --ema-decay: the average of the weights, the model evaluated and exported (from the broadcast weights on)
         self.ema = WeightAverage.of(cfg, engine.unwrap(self.model), loader.num_classes) if cfg.ema_decay else None
+        self.last_crop = cfg.image_size  # the crop size the last epoch trained at (the loader's size to start with)
+        self.resumed = cfg.resume  # until the segment's first epoch starts
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
             self._resume()
         self.lr = self.schedule.lr(max(self.state.step, 1))
@@ -269,7 +274,13 @@ class Training(Checkpointing):
         size = self.schedule.image_size(s.epoch)
         if size != self.loader.train_size:
             self.loader.set_image_size(size)
-            self.log.print(f"epoch {s.epoch + 1}: training crops of {size} px")
+        # said when the size changes from the last epoch trained (on a resume: the checkpoint's), and at every
+        # resume into a ramp
+        if size != self.last_crop or (self.resumed and self.schedule.resolution):
+            changed = self.resumed and self.last_crop not in (None, size)
+            before = f" ({self.last_crop} px before the resume)" if changed else ""
+            self.log.print(f"epoch {s.epoch + 1}: training crops of {size} px{before}")
+        self.last_crop, self.resumed = size, False
         global_batch = self.schedule.global_batch(s.epoch)
         per_rank = global_batch // self.engine.world_size
         if per_rank != self.loader_batch:  # (a resumed run in a later phase changes without a log line)
@@ -297,6 +308,11 @@ class Training(Checkpointing):
         s.bad_steps = torch.where(finite, 0, s.bad_steps + 1)
         s.step, s.step_in_epoch = s.step + 1, s.step_in_epoch + 1
         return torch.where(finite, loss, 0.0)
+
+    def load_state_dict(self, saved: dict, weights: bool = True) -> None:
+        """Checkpointing's (a resume; Horovod Elastic's rollback and state sync), and the crop size trained last."""
+        super().load_state_dict(saved, weights)
+        self.last_crop = crop_trained_last(saved)
 
     def end_of_epoch(self) -> None:
         """The epoch's figures, then an evaluation when due, a checkpoint when due, and the end."""
@@ -398,3 +414,13 @@ class Training(Checkpointing):
             raise raised_everywhere(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step "
                                         f"{s.step}); stopped, {self._left_to_continue()}; lower --lr"))
 
+
+def crop_trained_last(saved: dict) -> int | None:
+    """The training crop size of the last epoch a checkpoint's run trained, under the run's settings then
+    (a resume may change --resolution-schedule); None before its first step."""
+    run = saved.get("config") or {}
+    epoch = saved["epoch"] if saved["step_in_epoch"] else saved["epoch"] - 1  # (at an epoch's end: the one done)
+    if epoch < 0 or "image_size" not in run:
+        return None
+    ramp = resolution_ramp(run.get("resolution_schedule", ""))
+    return ramp(epoch) if ramp else run["image_size"]

@@ -88,5 +88,7 @@ def lr_and_warmup(cfg, global_batch: int) -> tuple[float, float, str]:
         notes.append("warmup from global batch" + (" and run length" if warmup < rule_warmup else ""))
     elif warmup >= cfg.epochs:
         warmup = WARMUP_SHARE_LIMIT * cfg.epochs
-        notes.append(f"warmup {cfg.warmup_epochs:g} epochs cut to {warmup:g}: not shorter than the {cfg.epochs}-epoch run")
+        notes.append(f"warmup cut from {cfg.warmup_epochs:g} to {warmup:g} epochs: a warmup "
+                     f"{'as long as' if cfg.warmup_epochs == cfg.epochs else 'longer than'} the {cfg.epochs}-epoch "
+                     "run leaves no decay")
     return lr, warmup, "; ".join(notes)

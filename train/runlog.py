@@ -274,8 +274,9 @@ def progress(batches, steps: int, images_per_step: int, enabled: bool, desc: str
 
 
 def run_header(setup, cfg, precision, out_dir: Path) -> tuple[str, str, dict]:
-    """The run's first line (data, ranks and batch, optimizer, precision and threads, loader, run
-    directory), the device's name, and how the ranks lie on the nodes (from their host names)."""
+    """The run's first line (the model and data, ranks and batch, optimizer and LR schedule, training
+    crops and evaluation, precision and threads, loader, run directory), the device's name, and how
+    the ranks lie on the nodes (from their host names)."""
     import platform
     import torch
     from train.device_choices import loader_summary
@@ -284,20 +285,76 @@ def run_header(setup, cfg, precision, out_dir: Path) -> tuple[str, str, dict]:
     device = engine.device
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else (platform.processor() or "CPU")
     where, layout = node_summary(engine.hosts) if engine.hosts else ("", {})  # (Horovod Elastic: no hosts)
-    batch_note, lr_note = (f" ({notes[key]})" if notes[key] else "" for key in ("batch", "lr"))
+    batch_note = f" ({notes['batch']})" if notes.get("batch") else ""
+    lr_notes = [note for note in (preset_lr_note(cfg), notes.get("lr")) if note]
+    lr_note = f" ({'; '.join(lr_notes)})" if lr_notes else ""
     compiled = f" compiled ({cfg.compile_mode})" if cfg.compile else ""
     schedule = f", then epochs:batch {cfg.batch_schedule}" if cfg.batch_schedule else ""
     header = " | ".join([
-        f"training {cfg.arch} on {setup.data_dir or 'synthetic data'}: {loader.num_classes} classes, "
+        f"training {model_summary(cfg)} on {setup.data_dir or 'synthetic data'}: {loader.num_classes} classes, "
         f"{loader.train_images} train / {loader.val_images} val images",
         f"{where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch {cfg.batch_size} = global "
         f"batch {cfg.global_batch_size}{batch_note}{schedule}",
-        f"{cfg.optimizer} lr {cfg.lr:g}, warmup {cfg.warmup_epochs:g} epochs{lr_note}",
+        f"{cfg.optimizer} lr {cfg.lr:g}, warmup {cfg.warmup_epochs:g} epochs{lr_note}, then {decay_summary(cfg)}",
+        crops_summary(cfg, notes.get("crops", "")),
         f"{precision.name}{compiled}{precision.source.removeprefix(precision.name)}, "
         f"{count(torch.get_num_threads(), 'thread')}",  # (what the precision follows)
         loader_summary(cfg.loader, cfg.dali_decode, cfg.workers, device),
         str(out_dir)])
     return header, device_name, layout
+
+
+def model_summary(cfg) -> str:
+    """The architecture, and what changes the model trained or evaluated: BlurPool, the average of the weights."""
+    parts = [cfg.arch]
+    if cfg.blurpool:
+        parts.append("BlurPool")
+    if cfg.ema_decay:
+        parts.append(f"weight average (decay {cfg.ema_decay:g})")
+    return " + ".join(parts)
+
+
+def preset_lr_note(cfg) -> str:
+    """What the header says when the peak LR is the preset's own, set for a global batch other than the
+    run's (a --batch-size or --global-batch-size on the command line changes the batch, not the
+    preset's LR); "" otherwise."""
+    from train.cli import load_yaml_overrides, resolve_preset  # (the presets are the command line's business)
+    from train.errors import UsageError
+    if not cfg.preset or cfg.lr_per_256:
+        return ""
+    try:
+        preset = load_yaml_overrides(str(resolve_preset(cfg.preset)), "preset")
+    except UsageError:  # (a resumed run's preset file since moved: nothing to compare with)
+        return ""
+    batch = preset.get("global_batch_size", 0)
+    if not batch or batch == cfg.global_batch_size or preset.get("lr") != cfg.lr:
+        return ""
+    return (f"the preset's lr {cfg.lr:g} is for global batch {batch}, not {cfg.global_batch_size}; "
+            "give --lr or --lr-per-256 to change it")
+
+
+def decay_summary(cfg) -> str:
+    """How --lr-schedule moves the LR after the warmup, in a few words that name it."""
+    return {"warmup-poly": f"poly decay (power {cfg.lr_decay_power:g}) to {cfg.end_lr:g}",
+            "cosine": "cosine to 0", "linear": "linear to 0",
+            "multistep": f"multistep x{cfg.lr_decay_factor:g} after epochs {cfg.lr_decay_epochs}",
+            "phases": f"phases (epochs:factor) {cfg.lr_phases}"}.get(cfg.lr_schedule, cfg.lr_schedule)
+
+
+def crops_summary(cfg, note: str = "") -> str:
+    """The training crops (a size, or --resolution-schedule's ramp) with start-up's `note` on them, and
+    the evaluation where it is not a plain centre crop at the training size (its size always beside a
+    ramp: it is --image-size's, which no training epoch may have)."""
+    from train.schedule import resolution_ramp
+    ramp = resolution_ramp(cfg.resolution_schedule)
+    crops = f"crops {ramp.start} to {ramp.end} px" if ramp else f"crops {cfg.image_size} px"
+    said = ([f"ramp {cfg.resolution_schedule}"] if ramp else []) + ([note] if note else [])
+    if said:
+        crops += f" ({'; '.join(said)})"
+    evaluated = cfg.eval_image_size or cfg.image_size
+    size = f" at {evaluated} px" if ramp or evaluated != cfg.image_size else ""
+    flips = " with flips" if cfg.eval_flip else ""
+    return f"{crops}, eval{size}{flips}" if size or flips else crops
 
 
 def count(n: int, what: str) -> str:
