@@ -61,6 +61,9 @@ def test_onnx_matches_the_checkpoint_and_predict_onnx_its_top1(trained):
     assert json.loads(meta["preprocessing"]) == {**preprocessing(32), "mean": [0.485, 0.456, 0.406],
                                                  "std": [0.229, 0.224, 0.225], "resize": 37, "crop": 32,
                                                  "channel_order": "RGB", "layout": "NCHW"}
+    # a run evaluated without flips, keeping no average (tests/test_predict_matches_test_only.py: one that did)
+    assert json.loads(meta["evaluation"]) == {"flip": False, "how": "the logits of the image alone"}
+    assert meta["weights"] == "trained"
     [images], [logits] = model.graph.input, model.graph.output
     assert (images.name, logits.name) == ("images", "logits")
     dims = images.type.tensor_type.shape.dim
@@ -90,6 +93,7 @@ def test_pt2_matches_the_checkpoint_and_carries_its_facts_beside_it(trained):
     checked(result)
     facts = json.loads((trained / "model.pt2.json").read_text())
     assert facts["class_names"] == classes_of(trained / "run") and facts["preprocessing"] == preprocessing(32)
+    assert facts["evaluation"] == {"flip": False, "how": "the logits of the image alone"} and facts["weights"] == "trained"
     extra = {"metadata.json": ""}
     program = torch.export.load(trained / "model.pt2", extra_files=extra)
     assert json.loads(extra["metadata.json"]) == facts

@@ -115,7 +115,10 @@ def test_folders_are_searched_for_the_data_packages_image_extensions(tmp_path):
 
 def test_an_onnx_export_classifies_images_as_its_model_does(tmp_path, capsys):
     """The quick tier's: export_onnx with the metadata predict reads, then predict --onnx on real JPEGs
-    in-process; each image's probabilities are the eager model's on the same batch."""
+    in-process; each image's probabilities are the eager model's on the same batch: of the images alone
+    for an export without `evaluation` metadata, and averaged with the mirror images' logits where it
+    says the run's evaluation did (unless --no-flip). Unreadable `evaluation` metadata is one line."""
+    import onnx
     from PIL import Image
     from models import build_model
     from train import predict as predict_module
@@ -123,21 +126,64 @@ def test_an_onnx_export_classifies_images_as_its_model_does(tmp_path, capsys):
     from train.inference import Images, preprocessing
     torch.manual_seed(0)
     model = build_model("resnet18", 3).eval()
-    export_onnx(model, 32, tmp_path / "m.onnx", {"class_names": json.dumps(["ant", "bee", "cat"]),
-                                                "preprocessing": json.dumps(preprocessing(32))})
+    metadata = {"class_names": json.dumps(["ant", "bee", "cat"]), "preprocessing": json.dumps(preprocessing(32))}
+    export_onnx(model, 32, tmp_path / "m.onnx", metadata)
     for i in range(3):
         Image.effect_noise((40 + 8 * i, 36), 60 + 40 * i).convert("RGB").save(tmp_path / f"{i}.jpg")
     paths = [tmp_path / f"{i}.jpg" for i in range(3)]
-    assert predict_module.main(["--onnx", str(tmp_path / "m.onnx"), *map(str, paths), "--top-k", "3",
-                                "--json", str(tmp_path / "p.json")]) == 0
-    assert len(capsys.readouterr().out.splitlines()) == 4  # the header and a row per image
     images = Images(32, torch.device("cpu"))
     try:
         [(_, batch)] = list(images.batches(paths, 8, lambda path, why: pytest.fail(why)))
     finally:
         images.close()
     with torch.no_grad():
-        expected = model(batch).softmax(dim=1)
-    for result, row in zip(json.load(open(tmp_path / "p.json")), expected):
-        assert [c["class"] for c in result["top_k"]] == [["ant", "bee", "cat"][i] for i in row.argsort(descending=True)]
-        assert all(abs(c["probability"] - float(row[c["index"]])) < 1e-4 for c in result["top_k"])
+        alone = model(batch).softmax(dim=1)
+        flipped = ((model(batch) + model(batch.flip(3))) / 2).softmax(dim=1)
+    assert (alone - flipped).abs().max() > 1e-3  # (the mirror images change the figures)
+
+    def classified(*flags):
+        assert predict_module.main(["--onnx", str(tmp_path / "m.onnx"), *map(str, paths), "--top-k", "3",
+                                    "--json", str(tmp_path / "p.json"), *flags]) == 0
+        assert len(capsys.readouterr().out.splitlines()) == 4  # the header and a row per image
+        return json.load(open(tmp_path / "p.json"))
+
+    def same(results, expected):
+        for result, row in zip(results, expected, strict=True):
+            assert [c["class"] for c in result["top_k"]] == [["ant", "bee", "cat"][i] for i in row.argsort(descending=True)]
+            assert all(abs(c["probability"] - float(row[c["index"]])) < 1e-4 for c in result["top_k"])
+
+    same(classified(), alone)  # an export that says nothing of flips (written before it was recorded)
+    same(classified("--flip"), flipped)
+    proto = onnx.load(tmp_path / "m.onnx")
+    proto.metadata_props.add(key="evaluation", value=json.dumps({"flip": True, "how": "..."}))
+    onnx.save(proto, tmp_path / "m.onnx")
+    same(classified(), flipped)
+    same(classified("--no-flip"), alone)
+    proto.metadata_props[-1].value = "flips, probably"
+    onnx.save(proto, tmp_path / "m.onnx")
+    assert predict_module.main(["--onnx", str(tmp_path / "m.onnx"), str(paths[0])]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: --onnx ") and "'evaluation' metadata is not readable" in line, line
+
+
+def test_the_table_lines_up_with_its_header_whatever_the_paths(capsys):
+    """A path past 80 characters, or a folder name (--labels-from-folders) longer than every class name,
+    widens its column: each row's columns start where the header's do, and each path is shown whole."""
+    from pathlib import Path
+    from train.predict import Table
+    names = ["ant", "bee"]
+    paths = [Path("bee/a.jpg"), Path("/data/" + "deep/" * 20 + "ant/b.jpg"), Path("/data/the_longest_folder_name/c.jpg")]
+    assert len(str(paths[1])) > 100
+    table = Table(paths, names, 2, labels=True)
+    table.header()
+    for path in paths:
+        table.row({"path": str(path), "label": path.parent.name,
+                   "top_k": [{"class": "ant", "probability": 0.75}, {"class": "bee", "probability": 0.25}]})
+    header, *rows = capsys.readouterr().out.splitlines()
+    # each header word starts where its cells do (or ends, "prob" over the right-aligned numbers)
+    label, top1, top2 = (header.index(word) for word in ("label", "top-1", "top-2"))
+    prob = header.index("prob") + len("prob")
+    for path, row in zip(paths, rows, strict=True):
+        assert row.startswith(f"{path} "), row  # whole
+        assert row[label:].startswith(f"{path.parent.name} ") and row[:prob].endswith(" 0.7500"), (header, row)
+        assert row[top1:].startswith("ant ") and row[top2:].startswith("bee "), (header, row)

@@ -1,12 +1,16 @@
 """`python -m train.export CHECKPOINT_OR_RUN --format onnx|pt2 --out FILE`: a run's model for other
 programs, then checked against itself.
 
-The model is exported in fp32 whatever precision it trained in, with a dynamic batch dimension. Its
-input is one float32 NCHW batch already through the evaluation transform of training (resized,
-centre-cropped, normalised: train/inference.py `preprocessing`), its first output the logits.
+The model is exported in fp32 whatever precision it trained in, with a dynamic batch dimension: the
+weights the run evaluated (its --ema-decay average where it kept one; --raw-weights: the trained
+ones). Its input is one float32 NCHW batch already through the evaluation transform of training
+(resized, centre-cropped, normalised: train/inference.py `preprocessing`), its first output the
+logits of those images alone; where the run evaluated with --eval-flip, its metadata `evaluation`
+says that the run averaged them with the mirror images' (predict --onnx does it).
 
 - onnx: `torch.onnx.export` (torch's dynamo exporter, which needs onnxscript), input "images",
-  output "logits", with metadata_props `class_names` (a JSON list) and `preprocessing` (JSON).
+  output "logits", with metadata_props `class_names` (a JSON list), `preprocessing` and
+  `evaluation` (JSON), `weights` (ema_average or trained).
 - pt2: `torch.export.export` + `torch.export.save` (load with `torch.export.load(FILE).module()`),
   the same facts in FILE.json beside it (and inside the archive as extra file metadata.json).
 
@@ -99,11 +103,11 @@ def sidecar(out: Path) -> Path:
 
 
 def _readable(metadata: dict[str, str]) -> dict:
-    """Metadata whose values are JSON (class_names, preprocessing) decoded, for a JSON file."""
+    """Metadata whose values are JSON (class_names, preprocessing, evaluation) decoded, for a JSON file."""
     facts = {}
     for key, value in metadata.items():
         try:
-            facts[key] = json.loads(value) if key in ("class_names", "preprocessing") else value
+            facts[key] = json.loads(value) if key in ("class_names", "preprocessing", "evaluation") else value
         except ValueError:
             facts[key] = value
     return facts
@@ -181,7 +185,7 @@ def compare(expected: torch.Tensor, got: torch.Tensor) -> tuple[float, int]:
 def parser() -> argparse.ArgumentParser:
     """The flags, one argument group per task, each with its help and its default said once."""
     p = CommandParser(prog="python -m train.export", usage="python -m train.export CHECKPOINT_OR_RUN --format "
-                      "onnx|pt2 --out FILE [--tolerance X]", description=__doc__.split("\n\n")[0],
+                      "onnx|pt2 --out FILE [--raw-weights] [--tolerance X]", description=__doc__.split("\n\n")[0],
                       epilog="The file's input, output and metadata, and how to load it: docs/inference.md.")
     p.add_argument("source", metavar="CHECKPOINT_OR_RUN", help="a checkpoint file or a run directory (its checkpoint.pt)")
     written = p.add_argument_group("the file written")
@@ -189,6 +193,9 @@ def parser() -> argparse.ArgumentParser:
                          help="onnx (torch.onnx.export, for ONNX Runtime) or pt2 (torch.export.save); required")
     written.add_argument("--out", required=True, metavar="FILE", help="the file written (pt2: FILE.json beside it "
                          "too); required")
+    written.add_argument("--raw-weights", action="store_true",
+                         help="the weights as trained, not the --ema-decay average the run evaluated and kept (a run "
+                              "that kept no average evaluated its trained weights: they are taken either way)")
     check = p.add_argument_group("the check against the PyTorch model")
     check.add_argument("--tolerance", type=float, default=TOLERANCE, metavar="X",
                        help="largest absolute logit difference allowed; above it the file is removed and the exit "
@@ -217,7 +224,7 @@ def export(args: argparse.Namespace) -> int:
         raise UsageError(f"--out {out}: its folder {out.parent} does not exist; create it or choose another")
     if out.is_dir():
         raise UsageError(f"--out {out} is a folder; give a file name")
-    trained = load_trained(args.source, torch.device("cpu"))
+    trained = load_trained(args.source, torch.device("cpu"), args.raw_weights)
     metadata = export_metadata(trained)
     written = [out]
     if args.format == "onnx":
@@ -225,9 +232,12 @@ def export(args: argparse.Namespace) -> int:
     else:
         written.append(export_pt2(trained.model, trained.image_size, out, metadata))
     size = out.stat().st_size
-    print(f"wrote {out} ({size / 1e6:.1f} MB): {trained.arch} from {trained.checkpoint}, {len(trained.class_names)} "
-          f"classes, input images float32 (N, 3, {trained.image_size}, {trained.image_size}), output logits, fp32"
-          + (f"; metadata in {written[1]}" if len(written) > 1 else ""), flush=True)
+    weights = "its --ema-decay average" if trained.averaged else "its trained weights"
+    print(f"wrote {out} ({size / 1e6:.1f} MB): {trained.arch} from {trained.checkpoint} ({weights}), "
+          f"{len(trained.class_names)} classes, input images float32 (N, 3, {trained.image_size}, {trained.image_size}), "
+          "output logits, fp32" + (f"; metadata in {written[1]}" if len(written) > 1 else "")
+          + ("; the run's evaluation also averaged each image's logits with its mirror image's (metadata "
+             "'evaluation')" if trained.flip else ""), flush=True)
 
     batch, described = check_images(trained)
     with torch.no_grad():

@@ -1,7 +1,8 @@
 """The trained model in use: a run's checkpoint loaded for inference (`load_trained`), image files
-turned into the batches the model takes with the evaluation transform of training (`Images`), and
-the facts an exported model carries (`preprocessing`, `export_metadata`). `python -m train.predict`
-and `python -m train.export` are built on these (docs/inference.md).
+turned into the batches the model takes with the evaluation transform of training (`Images`), the
+logits the run's evaluation takes of them (`evaluated_logits`: with --eval-flip, the mean with the
+mirror image's), and the facts an exported model carries (`preprocessing`, `export_metadata`).
+`python -m train.predict` and `python -m train.export` are built on these (docs/inference.md).
 
 The transform is the data package's, not a copy: data/torch_loader.py's EvalCrop (the shorter side
 resized to size / 0.875, data/loaders.py's eval_geometry, then the centre crop) over data/decode.py's
@@ -27,9 +28,10 @@ from train.errors import UsageError
 
 @dataclass
 class Trained:
-    """A run's model ready for inference: --arch's model with the checkpoint's weights, in eval mode,
-    fp32, on the device asked for; the class names by index; the run's image size and precision (as
-    its config recorded it: auto resolves on the device, train/precision.py)."""
+    """A run's model ready for inference: --arch's model with the checkpoint's weights (the ones the
+    run evaluated, or with `raw` the trained ones), in eval mode, fp32, on the device asked for; the
+    class names by index; the run's evaluation size, whether its evaluation averaged flips, and its
+    precision (as its config recorded it: auto resolves on the device, train/precision.py)."""
     model: torch.nn.Module
     class_names: list[str]
     arch: str
@@ -37,6 +39,8 @@ class Trained:
     precision: str
     checkpoint: Path
     config: dict = field(default_factory=dict, repr=False)  # the run's whole config, as saved
+    flip: bool = False  # the run evaluated with --eval-flip
+    averaged: bool = False  # the weights are the run's --ema-decay average, not the trained ones
 
 
 WHAT_TO_DO = "give a checkpoint of this trainer (a run's checkpoint.pt or a kept copy) or its run directory"
@@ -56,15 +60,17 @@ def checkpoint_of(source: str | Path) -> Path:
     return path
 
 
-def load_trained(source: str | Path, device: torch.device) -> Trained:
+def load_trained(source: str | Path, device: torch.device, raw: bool = False) -> Trained:
     """The model of a checkpoint file, or of a run directory's checkpoint.pt (a kept copy such as
-    checkpoint-best.pt is given as a file), read as plain data only (train/checkpoint.py load). A
-    missing path, a file that is no checkpoint of this trainer, or weights that the recorded --arch
-    does not build: a UsageError of one line naming the problem and what to do."""
+    checkpoint-best.pt is given as a file), read as plain data only (train/checkpoint.py load): the
+    weights the run evaluated (its --ema-decay average where it kept one), or with `raw`
+    (--raw-weights) the trained weights. A missing path, a file that is no checkpoint of this trainer,
+    or weights that the recorded --arch does not build: a UsageError of one line naming the problem
+    and what to do."""
     path = checkpoint_of(source)
     state = checkpoint.load(path, torch.device("cpu"), WHAT_TO_DO)
     config = state.get("config") if isinstance(state.get("config"), dict) else {}
-    arch, weights = config.get("arch"), checkpoint.evaluated_weights(state)  # (--ema-decay: the average)
+    arch, weights = config.get("arch"), checkpoint.evaluated_weights(state, raw)
     if arch not in ARCHS:
         raise UsageError(f"{path} records no model this trainer builds (arch {arch!r}); {WHAT_TO_DO}")
     fc = weights.get("fc.weight")
@@ -82,7 +88,26 @@ def load_trained(source: str | Path, device: torch.device) -> Trained:
         names = [str(i) for i in range(num_classes)]  # synthetic data has no names (nor did older checkpoints)
     size = int(config.get("eval_image_size") or config.get("image_size", 224))  # (the run's evaluation size)
     return Trained(model=model, class_names=list(names), arch=arch, image_size=size,
-                   precision=str(config.get("precision", "fp32")), checkpoint=path, config=config)
+                   precision=str(config.get("precision", "fp32")), checkpoint=path, config=config,
+                   flip=config.get("eval_flip") is True, averaged=weights is not state["model"])
+
+
+# the logits the run's evaluation takes -----------------------------------------------------------
+FLIP_HOW = "mean of the logits of the image and its left-right mirror"  # train/evaluate.py evaluate, --eval-flip
+
+
+def evaluated_logits(logits_of, batch: torch.Tensor, flip: bool) -> torch.Tensor:
+    """The logits of an NCHW `batch` as the run's evaluation takes them: `logits_of(batch)`, and with
+    `flip` their mean with the logits of the batch mirrored left to right (in that order, as
+    train/evaluate.py adds them)."""
+    logits = logits_of(batch)
+    return (logits + logits_of(batch.flip(3))) / 2 if flip else logits
+
+
+def evaluation(flip: bool) -> dict:
+    """How the run's evaluation turned a model's logits into its classes, for an exported model's
+    metadata ("evaluation"): flip, and how."""
+    return {"flip": flip, "how": FLIP_HOW if flip else "the logits of the image alone"}
 
 
 # the evaluation transform, as data -------------------------------------------------------------
@@ -96,11 +121,27 @@ def preprocessing(image_size: int) -> dict:
 
 
 def export_metadata(trained: Trained) -> dict[str, str]:
-    """The facts an exported model carries (ONNX metadata_props; the JSON beside a .pt2), each a JSON
-    string: class_names, preprocessing, and where it came from."""
+    """The facts an exported model carries (ONNX metadata_props; the JSON beside a .pt2), each a
+    string: class_names, preprocessing and evaluation (JSON), which weights, and where it came from."""
     return {"class_names": json.dumps(trained.class_names), "preprocessing": json.dumps(preprocessing(trained.image_size)),
+            "evaluation": json.dumps(evaluation(trained.flip)), "weights": "ema_average" if trained.averaged else "trained",
             "arch": trained.arch, "image_size": str(trained.image_size), "source_checkpoint": str(trained.checkpoint),
             "trained_precision": trained.precision}
+
+
+def flip_of(evaluation_json: str | None, where: str) -> bool:
+    """Whether an exported model's `evaluation` metadata says the run averaged flips (False where the
+    export has none: files written before it was recorded)."""
+    if evaluation_json is None:
+        return False
+    try:
+        flip = json.loads(evaluation_json)["flip"]
+    except (ValueError, TypeError, KeyError):
+        flip = None
+    if not isinstance(flip, bool):
+        raise UsageError(f"{where}'s 'evaluation' metadata is not readable ({evaluation_json[:80]!r}); "
+                         "export it again with python -m train.export, or give --flip or --no-flip")
+    return flip
 
 
 def image_size_of(preprocessing_json: str, where: str) -> int:

@@ -1,10 +1,13 @@
 """`python -m train.predict CHECKPOINT_OR_RUN PATH...`: a trained model's top-k classes for image files.
 
 Every image goes through the evaluation transform of training (train/inference.py: the data package's
-decode, resize, centre crop and normalisation), in batches on the GPU when there is one, under the
-run's precision (train/precision.py's autocast). `--onnx FILE` classifies with ONNX Runtime and a
-file written by `python -m train.export` instead of a checkpoint (its class names and preprocessing
-from its metadata). docs/inference.md.
+decode, resize, centre crop and normalisation) at the run's evaluation size, in batches on the GPU
+when there is one, under the run's precision (train/precision.py's autocast), and is classified as
+the run's evaluation classifies it: the weights it evaluated (its --ema-decay average where it kept
+one) and, where it evaluated with --eval-flip, the mean of the image's and its mirror's logits. So on
+the run's validation folder the top-1 and top-5 are --test-only's. `--onnx FILE` classifies with ONNX
+Runtime and a file written by `python -m train.export` instead of a checkpoint (its class names,
+preprocessing and flips from its metadata). docs/inference.md.
 """
 import argparse
 import csv
@@ -36,6 +39,12 @@ def parser() -> argparse.ArgumentParser:
     model = p.add_argument_group("the model")
     model.add_argument("--onnx", metavar="FILE", help="classify with ONNX Runtime and this file of python -m "
                        "train.export instead of a checkpoint")
+    model.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                       help="average each image's logits with its left-right mirror's, as --eval-flip does "
+                            "(default: as the run's evaluation did; with --onnx, as the file's metadata says)")
+    model.add_argument("--raw-weights", action="store_true",
+                       help="the weights as trained, not the --ema-decay average the run evaluated and kept (a run "
+                            "that kept no average evaluated its trained weights: they are taken either way)")
     shown = p.add_argument_group("what is shown and written")
     shown.add_argument("--top-k", type=int, default=5, metavar="N", help="classes shown per image (default: 5)")
     shown.add_argument("--labels-from-folders", action="store_true",
@@ -51,9 +60,12 @@ def parser() -> argparse.ArgumentParser:
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
-    args = parser().parse_args(argv)
+    args = parser().parse_intermixed_args(argv)  # (options anywhere: `RUN --no-flip photos` as well as at the end)
     if args.top_k < 1 or args.batch_size < 1:
         raise UsageError("--top-k and --batch-size must be at least 1")
+    if args.onnx and args.raw_weights:
+        raise UsageError("--raw-weights chooses among a checkpoint's weights; an ONNX file holds the ones it was "
+                         "exported with: export it with python -m train.export --raw-weights")
     if args.onnx:
         args.source, args.paths = None, args.inputs
     elif len(args.inputs) < 2:
@@ -64,16 +76,18 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 class CheckpointModel:
-    """The checkpoint's model on the GPU when there is one, under the run's precision."""
+    """The checkpoint's model on the GPU when there is one, under the run's precision; `flip`: mirrored
+    images averaged in (None: as the run's evaluation did)."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, flip: bool | None, raw: bool):
         import torch
 
         from train.inference import load_trained
         from train.precision import Precision
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        trained = load_trained(source, self.device)
+        trained = load_trained(source, self.device, raw)
         self.model, self.class_names, self.image_size = trained.model, trained.class_names, trained.image_size
+        self.flip = trained.flip if flip is None else flip
         self.channels_last = bool(trained.config.get("channels_last", False))
         try:
             self.precision = Precision(trained.precision, self.device)
@@ -84,18 +98,20 @@ class CheckpointModel:
 
     def logits(self, batch: "torch.Tensor") -> "torch.Tensor":
         import torch
-        with torch.no_grad(), self.precision.autocast():
-            return self.model(batch).float()
+
+        from train.inference import evaluated_logits
+        with torch.no_grad(), self.precision.autocast():  # (the flips averaged under autocast, as evaluate does)
+            return evaluated_logits(self.model, batch, self.flip).float()
 
 
 class OnnxModel:
-    """An exported ONNX file run by ONNX Runtime on the CPU; its class names and input size from its
-    metadata."""
+    """An exported ONNX file run by ONNX Runtime on the CPU; its class names, input size and flips (unless
+    `flip` says) from its metadata."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, flip: bool | None):
         import torch
 
-        from train.inference import image_size_of
+        from train.inference import flip_of, image_size_of
         try:
             import onnxruntime
         except ImportError:
@@ -114,10 +130,15 @@ class OnnxModel:
         except (KeyError, ValueError, TypeError):
             raise UsageError(f"--onnx {path} has no class_names metadata; export it with python -m train.export") from None
         self.image_size = image_size_of(meta.get("preprocessing", ""), f"--onnx {path}")
+        self.flip = flip_of(meta.get("evaluation"), f"--onnx {path}") if flip is None else flip
         self.input = self.session.get_inputs()[0].name
         self.device, self.channels_last = torch.device("cpu"), False
 
     def logits(self, batch: "torch.Tensor") -> "torch.Tensor":
+        from train.inference import evaluated_logits
+        return evaluated_logits(self._run, batch, self.flip)
+
+    def _run(self, batch: "torch.Tensor") -> "torch.Tensor":
         import torch
         return torch.from_numpy(self.session.run(None, {self.input: batch.contiguous().numpy()})[0]).float()
 
@@ -136,7 +157,7 @@ def predict(args: argparse.Namespace) -> int:
     if not paths:
         raise UsageError(f"no images found in {', '.join(map(str, args.paths))} (files ending in .jpg, .jpeg, .png, "
                          ".ppm, .bmp, .pgm, .tif, .tiff or .webp); give image files or folders that hold some")
-    model = OnnxModel(args.onnx) if args.onnx else CheckpointModel(args.source)
+    model = OnnxModel(args.onnx, args.flip) if args.onnx else CheckpointModel(args.source, args.flip, args.raw_weights)
     names, k = model.class_names, min(args.top_k, len(model.class_names))
     images = Images(model.image_size, model.device, model.channels_last, args.workers)
     table = Table(paths, names, k, args.labels_from_folders)
@@ -181,12 +202,15 @@ def predict(args: argparse.Namespace) -> int:
 
 class Table:
     """The predictions on stdout, a row per image as it is classified: the file, its label with
-    --labels-from-folders, then each of the top-k classes with its probability."""
+    --labels-from-folders, then each of the top-k classes with its probability. Each column is as wide
+    as its longest entry (all paths are known before the first row), so every row lines up with the
+    header and each path is shown whole, as --json and --csv write it."""
 
     def __init__(self, paths, names, k, labels):
         self.k, self.labels = k, labels
-        self.path_width = min(80, max(len("image"), *(len(str(p)) for p in paths)))
-        self.name_width = max(len("top-1"), *(len(n) for n in names))
+        self.path_width = max(len("image"), *(len(str(p)) for p in paths))
+        folders = [p.parent.name for p in paths] if labels else []  # (a folder that is no class may be longer)
+        self.name_width = max(len("top-1"), *(len(n) for n in [*names, *folders]))
 
     def header(self) -> None:
         cells = ["image".ljust(self.path_width)] + (["label".ljust(self.name_width)] if self.labels else [])
