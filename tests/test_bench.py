@@ -195,7 +195,8 @@ def test_infer_reads_a_run_and_times_onnxruntime(tmp_path):
     done = bench("infer", tmp_path / "run", "--batch-sizes", "1,2", "--backends", "eager,onnxruntime",
                  "--warmup-iterations", 1, "--iterations", 5, "--threads", 1, "--report", report, cwd=tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "resnet18 from" in done.stdout and "at 32 px, fp32" in done.stdout, done.stdout
+    assert "resnet18 from" in done.stdout and "at 32 px, one pass per batch (as the run's evaluation), fp32" in \
+        done.stdout, done.stdout
     results = json.loads(report.read_text())["results"]
     assert [(r["backend"], r["batch_size"]) for r in results] == [("eager", 1), ("eager", 2), ("onnxruntime", 1),
                                                                    ("onnxruntime", 2)]
@@ -238,7 +239,10 @@ INFER_TINY = ["--arch", "resnet18", "--image-size", "32", "--batch-sizes", "1", 
 @pytest.mark.parametrize("args, said", [
     (["infer", "--backends", "eager,tensorrt", *INFER_TINY], "unknown backend tensorrt"),
     (["infer", "--batch-sizes", "0,8"], "--batch-sizes '0,8': a batch size must be at least 1"),
+    (["infer", "--image-size", "100000"], "--image-size: 100000 is not a size from 16 to 1024 px"),
     (["infer", "NOT_A_CHECKPOINT"], "NOT_A_CHECKPOINT"),
+    (["infer", "NOT_A_CHECKPOINT", "--arch", "resnet50"], "--arch is for an untrained model; NOT_A_CHECKPOINT brings "
+                                                         "its run's own: drop --arch"),
     (["train", "--steps", "0"], "--steps: 0 must be at least 1"),
     (["train", "--max-steps", "9"], "--max-steps is the benchmark's to set"),
     (["train", "--steps", "1", "--profile", "traces"], "--profile traces measured steps before the last one: give "

@@ -33,7 +33,8 @@ if TYPE_CHECKING:
 # torch and numpy are imported by the code that measures: --help and a refused flag answer without them
 
 TRAIN_KEYS = ("images_per_s", "images_per_s_per_rank", "data_wait_ms_p50", "data_wait_ms_p95", "compute_ms_p50",
-              "compute_ms_p95", "compute_alone_ms_p50", "input_cost_ms_p50", "input_bound", "steps", "ranks")
+              "compute_ms_p95", "compute_alone_ms_p50", "input_cost_ms_p50", "input_bound", "steps", "ranks",
+              "image_size", "image_sizes")
 INPUT_BOUND_SHARE = 0.10  # input bound: the input costs the median step more than this share of it
 PERCENTILES = (50, 90, 95, 99)
 
@@ -59,6 +60,25 @@ def train_report(ranks: list) -> dict:
             "compute_ms_p50": round(compute_p50 * 1e3, 3), "compute_ms_p95": round(float(np.percentile(computes, 95)) * 1e3, 3),
             "compute_alone_ms_p50": round(alone_p50 * 1e3, 3), "input_cost_ms_p50": round(cost_p50 * 1e3, 3),
             "input_bound": bool(cost_p50 > INPUT_BOUND_SHARE * step_p50), "steps": len(waits), "ranks": len(ranks)}
+
+
+def crop_sizes(sizes: list[int]) -> dict:
+    """The report's crop size of the measured steps (`sizes`: each one's): `image_size` where they all
+    ran at one, else None; `image_sizes`: the sizes they ran at, in the order they ran."""
+    seen = list(dict.fromkeys(sizes))
+    return {"image_size": seen[0] if len(seen) == 1 else None, "image_sizes": seen}
+
+
+def crop_said(sizes: list[int], image_size: int) -> str:
+    """The crop size of the measured steps as the benchmark's line names it: `image_size` is
+    --image-size, which a --resolution-schedule overrides epoch by epoch."""
+    counts = {size: sizes.count(size) for size in dict.fromkeys(sizes)}
+    if len(counts) > 1:
+        return (" and ".join(f"{size} px for {n} step{'s' if n > 1 else ''}" for size, n in counts.items())
+                + " (--resolution-schedule changed the crop during the measured steps: the figures mix the sizes)")
+    size, = counts
+    return f"{size} px" + ("" if size == image_size else f" (--resolution-schedule's crop of these steps, not "
+                                                         f"--image-size {image_size})")
 
 
 # flags of python -m train that the bench sets itself
@@ -114,10 +134,11 @@ def bench_train(argv: list[str]) -> int:
                          f"{ours.steps} measured steps; raise --epochs or lower --steps")
     if timer.engine.rank != 0:
         return 0
-    report = train_report(timer.ranks)
+    measured_sizes = timer.sizes[ours.warmup_steps:]  # (the same on every rank: the schedule is the run's)
+    report = {**train_report(timer.ranks), **crop_sizes(measured_sizes)}
     per_rank_batch = timer.ranks[0][0][0][2]  # (rank 0, its measured steps, the first, its images)
-    print(f"\nbenchmark: {cfg.arch} at {cfg.image_size} px, {report['ranks']} rank(s) x batch {per_rank_batch}, "
-          f"{cfg.loader} loader, {report['steps']} measured steps after {ours.warmup_steps} warm-up")
+    print(f"\nbenchmark: {cfg.arch} at {crop_said(measured_sizes, cfg.image_size)}, {report['ranks']} rank(s) x batch "
+          f"{per_rank_batch}, {cfg.loader} loader, {report['steps']} measured steps after {ours.warmup_steps} warm-up")
     print(f"{'per step':12s} {'p50 ms':>10s} {'p95 ms':>10s}")
     print(f"{'data wait':12s} {report['data_wait_ms_p50']:10.2f} {report['data_wait_ms_p95']:10.2f}")
     print(f"{'compute':12s} {report['compute_ms_p50']:10.2f} {report['compute_ms_p95']:10.2f}")
@@ -147,6 +168,9 @@ def bench_infer(argv: list[str]) -> int:
     import torch  # (after --help: it loads torch)
 
     from train.precision import Precision
+    for flag in ("--arch", "--num-classes"):
+        if args.source and _given(argv, flag):
+            raise UsageError(f"{flag} is for an untrained model; {args.source} brings its run's own: drop {flag}")
     batch_sizes = _batch_sizes(args.batch_sizes)
     backends = [name.strip() for name in args.backends.split(",") if name.strip()]
     unknown = [name for name in backends if name not in BACKENDS]
@@ -162,9 +186,12 @@ def bench_infer(argv: list[str]) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    model, image_size, precision_name, what = _model(args, device)
+    model, evaluated_size, precision_name, what, evaluated_flip = _model(args, device)
+    image_size = args.image_size or evaluated_size
+    flip = evaluated_flip if args.flip is None else args.flip
     precision = Precision(args.precision or precision_name, device)
-    print(f"inference benchmark: {what} at {image_size} px, {precision.name} on {device.type}, "
+    print(f"inference benchmark: {what} at {_size_said(args, image_size, evaluated_size)}, "
+          f"{_passes_said(flip, evaluated_flip, bool(args.source))}, {precision.name} on {device.type}, "
           f"{torch.get_num_threads()} thread(s); {args.warmup_iterations} warm-up and {args.iterations} timed calls "
           f"per batch size")
     if "onnxruntime" in backends and precision.name != "fp32":
@@ -172,16 +199,34 @@ def bench_infer(argv: list[str]) -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="trainer-bench-infer-") as scratch:
         for backend in backends:
-            call = _backend(backend, model, image_size, precision, device, Path(scratch))
+            call = _backend(backend, model, image_size, precision, device, Path(scratch), flip)
             for batch in batch_sizes:
                 results.append(_measure(backend, call, batch, image_size, device, args.warmup_iterations, args.iterations))
                 _print_row(results[-1], header=len(results) == 1)
     report = Path(args.report)
-    _write_json(report, {"results": results})
+    _write_json(report, {"image_size": image_size, "flip": flip, "results": results})
     figure = report.with_suffix(".png")
-    plot(results, figure, f"{what}, {precision.name} on {device.type}")
+    plot(results, figure, f"{what} at {image_size} px{', flip: two passes' if flip else ''}, {precision.name} "
+                          f"on {device.type}")
     print(f"report: {report}, figure: {figure}")
     return 0
+
+
+def _size_said(args, image_size: int, evaluated_size: int) -> str:
+    """The input size as the header names it, and where it differs from the run's evaluation."""
+    if args.source and image_size != evaluated_size:
+        return f"{image_size} px (--image-size; the run evaluates at {evaluated_size} px)"
+    return f"{image_size} px"
+
+
+def _passes_said(flip: bool, evaluated_flip: bool, trained: bool) -> str:
+    """The model's passes per batch as the header names them, against the run's evaluation."""
+    if flip:
+        how = "as the run's evaluation" if evaluated_flip else "--flip"
+        return f"two passes per batch ({how}: the images and their mirror images, the logits averaged)"
+    if evaluated_flip:
+        return "one pass per batch (--no-flip; the run's evaluation takes two: the images and their mirror images)"
+    return "one pass per batch" + (" (as the run's evaluation)" if trained else "")
 
 
 def _batch_sizes(text: str) -> list[int]:
@@ -208,21 +253,23 @@ def _onnx_missing() -> str:
 
 
 def _model(args, device: torch.device):
-    """(model in eval mode, image size, precision name, what it is): the source's, or an untrained --arch."""
+    """(model in eval mode, image size, precision name, what it is, flip): the source's, or an untrained
+    --arch at 224 px, evaluated in one pass."""
     import torch
 
     from models import build_model
     if args.source:
-        model, image_size, precision_name, what = _trained(args.source, device)
+        model, image_size, precision_name, what, flip = _trained(args.source, device)
     else:
         torch.manual_seed(0)
         model = build_model(args.arch, args.num_classes, channels_last=True).to(device)
-        image_size, precision_name, what = args.image_size, "auto", f"untrained {args.arch}"
-    return model.eval().to(memory_format=torch.channels_last), image_size, precision_name, what
+        image_size, precision_name, what, flip = 224, "auto", f"untrained {args.arch}", False
+    return model.eval().to(memory_format=torch.channels_last), image_size, precision_name, what, flip
 
 
 def _trained(source: str, device: torch.device):
-    """(model, image size, precision name, what it is) of a checkpoint file or a run directory."""
+    """(model, evaluation size, precision name, what it is, whether its evaluation averages each image's
+    logits with its mirror image's: --eval-flip) of a checkpoint file or a run directory."""
     if not Path(source).exists():
         raise UsageError(f"{source} does not exist; give a checkpoint file or a run directory")
     try:
@@ -230,12 +277,17 @@ def _trained(source: str, device: torch.device):
     except ImportError:
         raise UsageError("loading a checkpoint needs train.inference (not installed)") from None
     trained = load_trained(source, device)
-    return trained.model, trained.image_size, trained.precision, f"{trained.arch} from {trained.checkpoint}"
+    what = f"{trained.arch} from {trained.checkpoint}"
+    return trained.model, trained.image_size, trained.precision, what, trained.flip
 
 
-def _backend(name: str, model, image_size: int, precision, device: torch.device, scratch: Path):
-    """A function of a batch on the device that runs the model on `name`."""
+def _backend(name: str, model, image_size: int, precision, device: torch.device, scratch: Path, flip: bool = False):
+    """A function of a batch on the device that runs the model on `name` and returns its logits; with
+    `flip` as an evaluation with --eval-flip takes them: the mean of the batch's and its mirror images'
+    (train/inference.py evaluated_logits)."""
     import torch
+
+    from train.inference import evaluated_logits
     if name in ("eager", "compile"):
         if name == "compile":  # (a GPU-less host with nvcc: "No CUDA runtime", as the trainer says none)
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
@@ -243,7 +295,7 @@ def _backend(name: str, model, image_size: int, precision, device: torch.device,
 
         def call(images):
             with torch.inference_mode(), precision.autocast():
-                return module(images)
+                return evaluated_logits(module, images, flip)
         return call
     import onnxruntime
     from train.export import export_onnx
@@ -256,9 +308,10 @@ def _backend(name: str, model, image_size: int, precision, device: torch.device,
     session = onnxruntime.InferenceSession(str(path), options, providers=providers)
     input_name = session.get_inputs()[0].name
 
-    def call(images):  # (the exported graph takes fp32 NCHW: the time includes the copy to the host on a GPU)
-        return session.run(None, {input_name: images.float().contiguous().cpu().numpy()})
-    return call
+    def one_pass(images):  # (the exported graph takes fp32 NCHW: the time includes the copy to the host on a GPU)
+        return session.run(None, {input_name: images.float().contiguous().cpu().numpy()})[0]
+
+    return lambda images: evaluated_logits(one_pass, images, flip)
 
 
 def _measure(backend: str, call, batch: int, image_size: int, device: torch.device, warmup: int, iterations: int) -> dict:

@@ -4,6 +4,7 @@ import argparse
 
 from train.command import CommandParser
 from train.config import CHOICES
+from train.schedule import MAX_CROP, MIN_CROP
 
 BACKENDS = ("eager", "compile", "onnxruntime")
 
@@ -15,6 +16,13 @@ def _positive(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def _crop_size(text: str) -> int:
+    value = _positive(text)
+    if not MIN_CROP <= value <= MAX_CROP:
+        raise argparse.ArgumentTypeError(f"{value} is not a size from {MIN_CROP} to {MAX_CROP} px")
     return value
 
 
@@ -34,15 +42,20 @@ def _train_flags(p: argparse.ArgumentParser) -> None:
 
 def _infer_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", nargs="?", default="", metavar="CHECKPOINT_OR_RUN", help="a checkpoint file or a run "
-                   "directory (default: an untrained --arch at --image-size)")
+                   "directory (default: an untrained --arch)")
     model = p.add_argument_group("the model (without CHECKPOINT_OR_RUN)")
     model.add_argument("--arch", default="resnet50", choices=CHOICES["arch"], metavar="NAME",
                        help=f"the untrained model: one of {', '.join(CHOICES['arch'])} (default: resnet50)")
-    model.add_argument("--image-size", type=_positive, default=224, metavar="N",
-                       help="the untrained model's input size in pixels (default: 224)")
     model.add_argument("--num-classes", type=_positive, default=1000, metavar="N",
                        help="the untrained model's classes (default: 1000)")
     runs = p.add_argument_group("what is timed")
+    runs.add_argument("--image-size", type=_crop_size, default=0, metavar="N",
+                      help=f"the input size, {MIN_CROP} to {MAX_CROP} pixels (default: the run's evaluation "
+                           "size; 224 for an untrained model)")
+    runs.add_argument("--flip", action=argparse.BooleanOptionalAction, default=None,
+                      help="two passes per batch, as an evaluation with --eval-flip: the images and their mirror "
+                           "images, the logits averaged; --no-flip: one pass (default: as the run's evaluation; one "
+                           "pass for an untrained model)")
     runs.add_argument("--precision", default="", choices=("", *CHOICES["precision"]), metavar="NAME",
                       help=f"one of {', '.join(CHOICES['precision'])} (default: the run's; auto for an untrained model: "
                            "by the device, as a run chooses)")

@@ -19,11 +19,13 @@ class StepTimer(LoopHooks):
     compute alone: the loader left to go quiet, the last batch stepped again QUIET_STEPS times with
     nothing else running, so that a loader that keeps up but takes the cores the step needs shows as
     what it costs (a wait near zero, a slower compute). Then every rank's figures are gathered
-    (`ranks`: per rank, its measured steps and its quiet computes)."""
+    (`ranks`: per rank, its measured steps and its quiet computes). `sizes` holds the crop size of
+    each step's batch (a --resolution-schedule changes it between epochs)."""
 
     def __init__(self, warmup_steps: int, steps: int):
         self.warmup_steps, self.steps = warmup_steps, steps
         self.records: list[tuple[float, float, int]] = []  # (wait, compute, images) per step
+        self.sizes: list[int] = []  # the crop size of each step's batch, in pixels
         self.ranks: list | None = None
         self.training = self.engine = self._batch = None
         self._asked = self._got = 0.0
@@ -42,6 +44,7 @@ class StepTimer(LoopHooks):
         self._sync()
         images, labels = self._batch
         self.records.append((self._got - self._asked, time.perf_counter() - self._got, labels.shape[0]))
+        self.sizes.append(images.shape[-1])
         if step == self.warmup_steps + self.steps:  # (every rank is here: collectives are safe)
             self.ranks = self.engine.gather_object((self.records[self.warmup_steps:], self.quiet_computes(images, labels)))
 
@@ -51,20 +54,29 @@ class StepTimer(LoopHooks):
 
     def quiet_computes(self, images, labels) -> list[float]:
         """The step on this batch again, timed, once this process's other threads (the loader's) are
-        idle; the run's position is put back after (the weights have taken the steps: a benchmark
-        keeps nothing)."""
+        idle. What the run prints and logs after is put back as the last measured step left it: its
+        position, its LR, the optimizer's settings (each step sets the schedule's values of its own
+        step there) and the fp16 loss scale. The weights and the optimizer's buffers keep the extra
+        steps (a benchmark keeps nothing)."""
         wait_for_quiet()
         self.engine.barrier()  # (each rank's first quiet step must not wait for a rank still waiting)
-        state = self.training.state
+        training, state = self.training, self.training.state
         position = state.step, state.epoch, state.step_in_epoch, state.bad_steps
+        lr, loss_scale = training.lr, training.precision.state_dict()
+        settings = [{key: value for key, value in group.items() if key != "params"}
+                    for group in training.optimizer.param_groups]
         computes = []
         for _ in range(QUIET_STEPS):
             self._sync()
             started = time.perf_counter()
-            self.training.train_step(images, labels)
+            training.train_step(images, labels)
             self._sync()
             computes.append(time.perf_counter() - started)
         state.step, state.epoch, state.step_in_epoch, state.bad_steps = position
+        training.lr = lr
+        for group, kept in zip(training.optimizer.param_groups, settings):
+            group.update(kept)
+        training.precision.load_state_dict(loss_scale)
         return computes
 
 

@@ -97,15 +97,25 @@ def to_target(evals: list[dict], target: float, epochs: int) -> tuple[int, float
     return (first["epoch"], first["seconds"]) if first else (epochs + 1, None)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for the runs (a run already there is read, not run again)")
-    p.add_argument("--datasets", default="embedded,digits")
-    p.add_argument("--methods", default=",".join(METHODS))
-    p.add_argument("--seeds", default="0,1,2")
-    p.add_argument("--epochs", type=int, default=8)
-    p.add_argument("--table", help="also write the markdown table to this file")
-    args = p.parse_args()
+    p.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for the runs (a run already there is read, not run again)")
+    p.add_argument("--datasets", default="embedded,digits", metavar="NAME,...",
+                   help=f"datasets, comma-separated, of {', '.join(TARGETS)}; the headline ratio is the first's "
+                        "(default: %(default)s)")
+    p.add_argument("--methods", default=",".join(METHODS), metavar="NAME,...",
+                   help=f"methods, comma-separated, of {', '.join(METHODS)} (default: all)")
+    p.add_argument("--seeds", default="0,1,2", metavar="N,...",
+                   help="seeds, comma-separated: one run per dataset, method and seed (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=8, metavar="N",
+                   help="epochs of each run; one more counts as never reaching the target (default: %(default)s)")
+    p.add_argument("--table", metavar="FILE", help="also write the markdown table to this file")
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     out, seeds = Path(args.out), [int(s) for s in args.seeds.split(",")]
     lines, headline = [], {}
     for dataset in args.datasets.split(","):
