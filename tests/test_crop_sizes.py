@@ -9,6 +9,7 @@ import torch
 import yaml
 
 from helpers import read_metrics, run_train
+from helpers.gpu import require_dali
 from train import schedule
 from train.cli import parse
 from train.command import CommandParser
@@ -29,17 +30,28 @@ def refusal(*argv) -> str:
 
 
 # an explicit --image-size over a preset's ramp -----------------------------------------------------
-def test_an_explicit_image_size_leaves_the_presets_ramp_out_and_says_so():
+def test_an_explicit_image_size_leaves_the_presets_ramp_and_evaluation_size_out_and_says_so():
     cfg = parse([*FFCV_88, "--image-size", "32"])
-    assert (cfg.image_size, cfg.resolution_schedule) == (32, "")
+    assert (cfg.image_size, cfg.resolution_schedule, cfg.eval_image_size, cfg.eval_flip) == (32, "", 0, True)
     note = schedule.crop_note(cfg)
-    assert note == "--resolution-schedule 160:192:65:76 of preset ffcv-rn50-88ep left out: --image-size 32 given", note
+    assert note == ("--resolution-schedule 160:192:65:76 and --eval-image-size 256 of preset ffcv-rn50-88ep left out: "
+                    "--image-size 32 given"), note
+
+
+def test_an_explicit_image_size_keeps_an_evaluation_size_given_with_it():
+    cfg = parse([*FFCV_88, "--image-size", "32", "--eval-image-size", "40"])
+    assert (cfg.resolution_schedule, cfg.eval_image_size) == ("", 40)
+    assert schedule.crop_note(cfg) == "--resolution-schedule 160:192:65:76 of preset ffcv-rn50-88ep left out: --image-size 32 given"
+    no_ramp = parse(["--preset", "ffcv-rn50-16ep", "--image-size", "64"])  # (a preset without a ramp)
+    assert (no_ramp.eval_image_size, schedule.crop_note(no_ramp)) == (
+        0, "--eval-image-size 256 of preset ffcv-rn50-16ep left out: --image-size 64 given")
 
 
 def test_the_presets_ramp_stays_without_image_size_or_with_a_ramp_given():
     assert parse(FFCV_88).resolution_schedule == "160:192:65:76"
     given = parse([*FFCV_88, "--image-size", "32", "--resolution-schedule", "24:32:0:1:8"])
-    assert (given.image_size, given.resolution_schedule) == (32, "24:32:0:1:8") and "left out" not in schedule.crop_note(given)
+    assert (given.image_size, given.resolution_schedule) == (32, "24:32:0:1:8")
+    assert schedule.crop_note(given) == "--eval-image-size 256 of preset ffcv-rn50-88ep left out: --image-size 32 given"
 
 
 def test_image_size_at_a_resume_leaves_the_saved_runs_ramp_out(tmp_path):
@@ -81,7 +93,7 @@ def test_the_crops_note_reaches_the_header_notes():
     run, loader, *_ = result = checked_setup(cfg, SingleProcess(cfg), "")
     try:
         notes = result[4]
-        assert "160:192:65:76 of preset ffcv-rn50-88ep left out" in notes["crops"], notes
+        assert "160:192:65:76 and --eval-image-size 256 of preset ffcv-rn50-88ep left out" in notes["crops"], notes
         assert (run.image_size, run.resolution_schedule) == (32, "")
     finally:
         loader.close()
@@ -166,7 +178,7 @@ def test_the_ramps_ends_follow_the_same_rule_and_its_step_stays_a_multiple_of_8(
     assert "START 15 is not a crop size from 16 to 1024 px" in refusal("--resolution-schedule", "15:32:0:1")
     assert "END 1025 is not a crop size from 16 to 1024 px" in refusal("--resolution-schedule", "32:1025:0:1")
     message = refusal("--resolution-schedule", "160:192:65:76:12")
-    assert "STEP 12 is not a multiple of 8 (the ramp rounds its sizes to multiples of STEP)" in message
+    assert "STEP 12 is not a positive multiple of 8 (the ramp rounds its sizes to multiples of STEP)" in message
     assert "e.g. 160:192:65:76:32" in message
 
 
@@ -201,7 +213,7 @@ def test_a_value_starting_with_minus_and_a_digit_reaches_the_flags_own_check():
 # evaluation (and training) at a size that is not a multiple of 8, in both file loaders ------------
 @pytest.mark.parametrize("size", [36, 37])
 def test_both_loaders_train_and_evaluate_at_a_size_that_is_no_multiple_of_8(size, tmp_path):
-    pytest.importorskip("nvidia.dali")
+    require_dali()
     from data.dali import DaliLoader
     from data.embedded import ensure_embedded
     from data.torch_loader import TorchLoader

@@ -168,16 +168,19 @@ def test_a_runs_header_says_its_methods_and_a_presets_lr_kept_for_another_batch(
 
 
 def test_a_presets_lr_kept_for_another_global_batch_is_noted():
-    ffcv = {"preset": "ffcv-rn50-16ep", "optimizer": "sgd", "lr": 1.7, "lr_schedule": "linear"}  # (as the preset sets)
+    from train.cli import parse
 
-    def lr_part(**settings):
-        return header_of(**{**ffcv, **settings}).split(" | ")[2]
-    assert lr_part(global_batch_size=64) == ("sgd lr 1.7, warmup 2 epochs (the preset's lr 1.7 is for global batch 1024, "
-                                             "not 64; give --lr or --lr-per-256 to change it), then linear to 0")
-    assert lr_part(global_batch_size=1024) == "sgd lr 1.7, warmup 2 epochs, then linear to 0"  # the preset's own batch
-    assert "preset" not in lr_part(global_batch_size=64, lr=0.1)  # another --lr: the user's own
-    assert "preset" not in lr_part(global_batch_size=64, lr=0.425, lr_per_256=1.7)  # follows the batch
-    assert "preset" not in lr_part(global_batch_size=64, preset="")
+    def lr_part(*flags):  # (the header of the command's settings, at the global batch they give)
+        cfg = parse(["--preset", "ffcv-rn50-16ep", "--data-dir", "/data", *flags])
+        settings = {name: getattr(cfg, name) for name in ("preset", "optimizer", "lr", "lr_schedule", "preset_lr_batch")}
+        return header_of(**settings, global_batch_size=cfg.global_batch_size or 8).split(" | ")[2]
+    assert lr_part("--global-batch-size", "64") == ("sgd lr 1.7, warmup 2 epochs (the preset's lr 1.7 is for global batch "
+                                                    "1024, not 64; give --lr or --lr-per-256 to change it), then linear to 0")
+    assert "the preset's lr 1.7 is for global batch 1024, not 8" in lr_part("--batch-size", "8")  # (8 on one rank)
+    assert lr_part() == "sgd lr 1.7, warmup 2 epochs, then linear to 0"  # the preset's own batch
+    assert "preset" not in lr_part("--global-batch-size", "64", "--lr", "0.1")  # another --lr: the user's own
+    assert "preset" not in lr_part("--global-batch-size", "64", "--lr", "1.7")  # the same value, given: the user's own
+    assert "preset" not in lr_part("--global-batch-size", "64", "--lr-per-256", "0.425")  # follows the batch
 
 
 def test_a_warmup_cut_to_fit_the_run_says_what_happened_in_order():

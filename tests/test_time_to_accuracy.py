@@ -56,7 +56,7 @@ def test_eval_flip_scores_the_mean_of_each_images_and_its_mirrors_logits(flip):
     (["--eval-image-size", "8"], "--eval-image-size must be 0 (as --image-size) or a crop size from 16 to 1024 px, got 8"),
     (["--eval-image-size", "1025"], "--eval-image-size must be 0 (as --image-size) or a crop size from 16 to 1024 px"),
     (["--image-size", "1025"], "--image-size must be a crop size from 16 to 1024 px, got 1025"),
-    (["--resolution-schedule", "160:192:1:2:12"], "--resolution-schedule '160:192:1:2:12': STEP 12 is not a multiple "
+    (["--resolution-schedule", "160:192:1:2:12"], "--resolution-schedule '160:192:1:2:12': STEP 12 is not a positive multiple "
                                                   "of 8 (the ramp rounds its sizes to multiples of STEP); give 8, 16"),
     (["--resolution-schedule", "160:192:5"], "--resolution-schedule '160:192:5': has 3 values, not 4 or 5"),
     (["--resolution-schedule", "160:192:5:2"], "FROM 5 is after TO 2; give FROM not above TO"),

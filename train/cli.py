@@ -138,12 +138,13 @@ PARTNERS = {"batch_size": "global_batch_size", "global_batch_size": "batch_size"
 def parse(argv: list[str]) -> Config:
     """Defaults, then the preset, then (with --resume) the run's saved config, then the flags."""
     flags = vars(parser().parse_args(argv))
+    given = tuple(flags)  # (before start-up's own entries: --out-dir, --resume)
     from train import checkpoint  # (after --help: it loads torch)
     values: dict = {}
     preset = flags.get("preset") or ("" if flags.get("data_dir") else "smoke")
+    preset_values = load_yaml_overrides(str(resolve_preset(preset)), "preset") if preset else {}
     if preset:
-        values.update(load_yaml_overrides(str(resolve_preset(preset)), "preset"))
-        values["preset"] = preset
+        values.update(preset_values, preset=preset)
     out_dir = flags.get("out_dir") or job_out_dir(preset)
     if out_dir:
         flags["out_dir"] = out_dir
@@ -164,6 +165,8 @@ def parse(argv: list[str]) -> Config:
         if not saved.is_file():
             raise UsageError(f"{out_dir} holds no config.yaml for {what}; check --out-dir")
         values.update(load_yaml_overrides(str(saved), "saved config"))
+    elif "lr" in preset_values and not {"lr", "lr_per_256"} & set(given):  # (the header notes another global batch)
+        values["preset_lr_batch"] = preset_values.get("global_batch_size", 0)
     if flags.get("batch_size", 1) <= 0:
         raise UsageError(f"--batch-size must be positive, got {flags['batch_size']}")
     for name, partner in PARTNERS.items():
@@ -175,8 +178,8 @@ def parse(argv: list[str]) -> Config:
         saved = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config").get("global_batch_size")
         if saved:
             values.update(batch_size=0, global_batch_size=saved, command_batch_size=flags.pop("batch_size", 0))
-    leave_out_ramp(values, flags, out_dir, "the run's saved config" if from_saved else f"preset {preset}")
-    values.update(flags)
+    leave_out_sizes(values, flags, out_dir, "the run's saved config" if from_saved else f"preset {preset}")
+    values.update(flags, flags_given=given)
     if values.get("resolution_schedule", "").strip().lower() in NO_RAMP:
         values["resolution_schedule"] = ""  # (config.yaml records no ramp one way, whichever word said it)
     if values.get("tensorboard", True) and importlib.util.find_spec("tensorboard") is None:
@@ -271,6 +274,8 @@ def _check_names_and_schedules(cfg: Config) -> None:
 def _check_combinations(cfg: Config) -> None:
     _need(not (cfg.nesterov and cfg.momentum <= 0), "--nesterov needs a positive --momentum")
     _need(not cfg.lars_compile or cfg.optimizer == "lars", "--lars-compile needs --optimizer lars")
+    _need(not cfg.raw_weights or cfg.test_only, "--raw-weights is --test-only's (it evaluates the trained weights, "
+          "not the --ema-decay average); add --test-only, or drop it")
     _need(not cfg.checkpoint or cfg.test_only, f"--checkpoint {cfg.checkpoint} names what --test-only evaluates; "
           "to start a run from its weights, give --init-from")
     if not cfg.checkpoints:  # (what would be written, asked for by name)
@@ -283,18 +288,25 @@ def _check_combinations(cfg: Config) -> None:
           "MLPerf closed division; use --division open")
 
 
-def leave_out_ramp(values: dict, flags: dict, out_dir: str, source: str) -> None:
-    """An --image-size given without --resolution-schedule trains at that size throughout: the ramp of
-    the preset (or of a --resume'd run's saved config) would override it from the first epoch, so it
-    is left out, and the header says so (schedule.crop_note). A restarted run that recorded the ramp
-    keeps it: the same command continues the same run, whichever rule made it."""
+def leave_out_sizes(values: dict, flags: dict, out_dir: str, source: str) -> None:
+    """An --image-size given alone trains and evaluates at that size: the preset's (or a --resume'd
+    run's saved) ramp would override it from the first epoch, and its evaluation size was chosen for
+    its own training size (256 px beside 160-192), so each is left out unless given too, and the header
+    says so (schedule.crop_note). A restarted run that recorded the ramp keeps it: the same command
+    continues the same run, whichever rule made it."""
+    if "image_size" not in flags:
+        return
+    left_out = []
     ramp = values.get("resolution_schedule", "")
-    if "image_size" not in flags or "resolution_schedule" in flags or ramp.strip().lower() in NO_RAMP:
-        return
-    if values.get("restarted") and ramp == load_yaml_overrides(str(Path(out_dir) / "config.yaml"),
-                                                               "saved config").get("resolution_schedule"):
-        return
-    values.update(resolution_schedule="", ramp_left_out=f"--resolution-schedule {ramp} of {source}")
+    recorded = values.get("restarted") and ramp == load_yaml_overrides(
+        str(Path(out_dir) / "config.yaml"), "saved config").get("resolution_schedule")
+    if "resolution_schedule" not in flags and ramp.strip().lower() not in NO_RAMP and not recorded:
+        values["resolution_schedule"] = ""
+        left_out.append(f"--resolution-schedule {ramp}")
+    if "eval_image_size" not in flags and values.get("eval_image_size"):
+        left_out.append(f"--eval-image-size {values.pop('eval_image_size')}")
+    if left_out:
+        values["left_out"] = f"{' and '.join(left_out)} of {source}"
 
 
 def job_out_dir(preset: str) -> str:

@@ -118,7 +118,9 @@ class Config:
     init_from: str = setting("", "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)", CHECKPOINTS, defines_run=True, metavar="PATH")
     command_batch_size: int = field(default=0, metadata={"internal": True})  # set by parse: a restart's --batch-size, not taken
     restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
-    ramp_left_out: str = field(default="", metadata={"internal": True})  # set by parse: the ramp an explicit --image-size left out, and whose ("--resolution-schedule R of preset P")
+    left_out: str = field(default="", metadata={"internal": True})  # set by parse: what an explicit --image-size left out, and whose ("--resolution-schedule R of preset P")
+    flags_given: tuple = field(default=(), metadata={"internal": True})  # set by parse: the settings named on the command line
+    preset_lr_batch: int = field(default=0, metadata={"internal": True})  # set by parse: the global batch of a preset whose lr the run keeps
     show_recipe: bool = setting(False, "print the resolved settings and the per-epoch schedule (global batch, LR, augmentation) as JSON, and stop", PRESETS)
     test_only: bool = setting(False, "evaluate --out-dir's checkpoint on the validation set of its data (or --data-dir) and print top-1/top-5; changes nothing in the run", EVALUATION)
     checkpoint: str = setting("", "--test-only evaluates this checkpoint: a file in --out-dir (checkpoint-best.pt, checkpoint-epoch010.pt: --keep-checkpoints) or a path (default: --out-dir's checkpoint.pt)", EVALUATION, metavar="PATH")

@@ -2,10 +2,8 @@
 loop's at each evaluation point); whether the ranks' models are still replicas (`replicas_differing`);
 and `--test-only` (`test_only`): a saved checkpoint evaluated, nothing of the run changed."""
 import hashlib
-from pathlib import Path
 
 import torch
-import yaml
 
 from data.progress import Progress
 from data.transfer import to_device
@@ -94,15 +92,14 @@ MODEL_SETTINGS = ("arch", "blurpool", "ema_decay")
 
 def model_settings(cfg: Config, state: dict) -> dict:
     """The model settings of the checkpoint's run, from its own record (a --resume that changed them
-    after this checkpoint rewrote config.yaml). A flag given to --test-only (a value config.yaml does not
-    hold) that contradicts them is refused."""
+    after this checkpoint rewrote config.yaml). A flag given to --test-only that contradicts them is
+    refused."""
     recorded = state.get("config") or {}  # (none in a checkpoint of another script: the flags then)
-    saved = yaml.safe_load((Path(cfg.out_dir) / "config.yaml").read_text()) or {}
     settings = {}
     for name in MODEL_SETTINGS:
         asked = getattr(cfg, name)
         settings[name] = recorded.get(name, asked)
-        if asked != settings[name] and asked != saved.get(name, asked):
+        if name in cfg.flags_given and asked != settings[name]:
             raise UsageError(contradiction(name, asked, settings[name]))
     return settings
 

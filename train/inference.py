@@ -11,6 +11,7 @@ the logits, are --test-only's.
 """
 import json
 import os
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -130,9 +131,11 @@ def export_metadata(trained: Trained) -> dict[str, str]:
 
 
 def flip_of(evaluation_json: str | None, where: str) -> bool:
-    """Whether an exported model's `evaluation` metadata says the run averaged flips (False where the
-    export has none: files written before it was recorded)."""
+    """Whether an exported model's `evaluation` metadata says the run averaged flips (False, said on
+    stderr, where the export has none: files written before it was recorded)."""
     if evaluation_json is None:
+        print(f"note: {where} has no 'evaluation' metadata (an older export): classified without flips; give "
+              "--flip if its run evaluated with --eval-flip", file=sys.stderr)
         return False
     try:
         flip = json.loads(evaluation_json)["flip"]

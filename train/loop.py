@@ -28,7 +28,7 @@ from train import checkpoint
 from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
 from train.compiled import compile_in_place, run_shapes
 from train.config import Config
-from train.errors import Diverged, Preempted, RunAborted, UsageError, raised_everywhere
+from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
 from train.ema import WeightAverage
 from train.evaluate import evaluate, replicas_differing
 from train.hooks import HookList, LoopHooks
@@ -43,9 +43,6 @@ from train.stopping import FlagChecks, StopSignal
 
 
 def run(cfg: Config, hooks: "tuple[LoopHooks, ...]" = ()) -> dict:
-    if cfg.raw_weights:  # (every rank alike: rank 0 says it)
-        raise raised_everywhere(UsageError("--raw-weights is --test-only's (it evaluates the trained weights, not the "
-                                           "--ema-decay average); add --test-only, or drop it"))
     setup = prepare(cfg)  # train/startup.py: everything that can fail, before the run's first step
     try:
         return _train(Training(setup, hooks))

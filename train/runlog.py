@@ -128,7 +128,8 @@ class RunLog:
     @contextlib.contextmanager
     def evaluation(self, epoch: int, step: int, images: int):
         """Around an evaluation after `step` steps and `images` training images: yields a function
-        taking its figures (top1, top5, eval_images, ...)."""
+        taking its figures (top1, top5, eval_images, ...). Its record holds the crop size and flips it
+        ran with (a resume may change them; the scorer counts each evaluation's work from its record)."""
         self._start(K.EVAL_START, epoch_num=epoch)
         started = time.time()
         figures = {}
@@ -140,7 +141,8 @@ class RunLog:
         self.metrics(kind="eval", step=step, epoch=epoch, images=images,
                      seconds=self.seconds(), top1=round(figures["top1"], 5), top5=round(figures["top5"], 5),
                      eval_images=figures["eval_images"], eval_seconds=round(seconds, 3),
-                     skipped_images=figures["skipped_images"])
+                     skipped_images=figures["skipped_images"],
+                     eval_image_size=self.cfg.eval_image_size or self.cfg.image_size, eval_flip=bool(self.cfg.eval_flip))
         self.print(f"eval  {epoch:3d}/{self.cfg.epochs}  top-1 {figures['top1']:.4f}  top-5 {figures['top5']:.4f}  "
                    f"({figures['eval_images']} images, {seconds:.1f} s)")
 
@@ -317,17 +319,9 @@ def model_summary(cfg) -> str:
 def preset_lr_note(cfg) -> str:
     """What the header says when the peak LR is the preset's own, set for a global batch other than the
     run's (a --batch-size or --global-batch-size on the command line changes the batch, not the
-    preset's LR); "" otherwise."""
-    from train.cli import load_yaml_overrides, resolve_preset  # (the presets are the command line's business)
-    from train.errors import UsageError
-    if not cfg.preset or cfg.lr_per_256:
-        return ""
-    try:
-        preset = load_yaml_overrides(str(resolve_preset(cfg.preset)), "preset")
-    except UsageError:  # (a resumed run's preset file since moved: nothing to compare with)
-        return ""
-    batch = preset.get("global_batch_size", 0)
-    if not batch or batch == cfg.global_batch_size or preset.get("lr") != cfg.lr:
+    preset's LR; train/cli.py parse records the preset's batch); "" otherwise."""
+    batch = cfg.preset_lr_batch
+    if not batch or batch == cfg.global_batch_size:
         return ""
     return (f"the preset's lr {cfg.lr:g} is for global batch {batch}, not {cfg.global_batch_size}; "
             "give --lr or --lr-per-256 to change it")

@@ -158,7 +158,7 @@ def resolution_ramp(text: str) -> ResolutionRamp | None:
             raise ValueError(f"{said}: {name} {size} is not a crop size from {MIN_CROP} to {MAX_CROP} px; give one "
                              f"in that range, {example}")
     if step < 8 or step % 8:
-        raise ValueError(f"{said}: STEP {step} is not a multiple of 8 (the ramp rounds its sizes to multiples of "
+        raise ValueError(f"{said}: STEP {step} is not a positive multiple of 8 (the ramp rounds its sizes to multiples of "
                          "STEP); give 8, 16, 32 or another multiple of 8, e.g. 160:192:65:76:32")
     if first < 0:
         raise ValueError(f"{said}: FROM {first} is not 0 or more; give the epochs done before the ramp, {example}")
@@ -176,10 +176,10 @@ def _is_number(text: str) -> bool:
 
 
 def crop_note(cfg) -> str:
-    """The header's word on a run's training crops, "" when there is none to say: the ramp an explicit
-    --image-size left out (train/cli.py), a ramp that never moves within the run's epochs (the crop
+    """The header's word on a run's training crops, "" when there is none to say: the ramp and the
+    evaluation size an explicit --image-size left out (train/cli.py), a ramp that never moves within the run's epochs (the crop
     size it keeps), a ramp that shrinks."""
-    notes = [f"{cfg.ramp_left_out} left out: --image-size {cfg.image_size} given"] if cfg.ramp_left_out else []
+    notes = [f"{cfg.left_out} left out: --image-size {cfg.image_size} given"] if cfg.left_out else []
     ramp = resolution_ramp(cfg.resolution_schedule)
     if ramp and ramp.start != ramp.end:
         if set(ramp.sizes(cfg.epochs)) == {ramp.start}:

@@ -5,8 +5,9 @@ verdict of training runs; `--time-s T --top1 A [--epochs 90]` scores a published
 FLOPs are counted, not assumed, from what the run's records say (docs/valid_flops.md): training
 FLOPs per image of the run's arch, class count and BlurPool (models.train_flops_per_image) x images
 trained, each image at the crop size its epoch record in metrics.jsonl holds (the settings' size for
-a record without one), plus forward FLOPs at the evaluation's size x images evaluated, twice with
---eval-flip. The class count is the `num_classes` the run recorded in config.yaml; for a run made
+a record without one), plus forward FLOPs x images evaluated, at each evaluation's crop size and
+twice with --eval-flip, as its eval record holds them (config.yaml's settings for a record without
+them). The class count is the `num_classes` the run recorded in config.yaml; for a run made
 before runs did, it is guessed from the data (`synthetic_classes`, 1000 with a data_dir, else the
 embedded ten).
 

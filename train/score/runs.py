@@ -54,7 +54,8 @@ def _read_log(mllog: Path, notes: list) -> _Log:
 def _records_from_mllog(mllog: Path, log: _Log) -> list[dict]:
     """Stand-ins for the metrics.jsonl records the score reads, counted from mllog.txt when metrics.jsonl
     is missing: an `epoch` record (step, epoch, images) at each epoch_stop and an `eval` record
-    (eval_samples images) at each eval, up to the run's end; ScoreError naming what cannot be counted."""
+    (eval_samples images, with no size or flips: config.yaml's count) at each eval, up to the run's end;
+    ScoreError naming what cannot be counted."""
     missing = f"{mllog.parent / 'metrics.jsonl'} is missing"
     if log.segments > 1:
         raise ScoreError(f"{missing} and {mllog} holds a resumed run ({log.segments} segments): its training time "
@@ -202,13 +203,16 @@ def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, 
         raise ScoreError(f"{mllog}: run_stop is not after run_start; the log's clock is broken")
     status, no_verdict = _how_it_ended(run_dir, config, metrics, log, notes)
     status = _note_segments(status, log, resumes, seconds, wall_seconds, notes)
-    # The images trained up to the end (a crashed run's end is its last eval), and all images evaluated.
+    # The images trained up to the end (a crashed run's end is its last eval), and all evaluations.
     trained = [m for m in metrics if m.get("kind") in ("train", "epoch") and m["time"] * 1000 <= log.end_ms + 1]
     images = max((m["images"] for m in trained), default=0)
-    eval_images = sum(m.get("eval_images", 0) for m in metrics if m.get("kind") == "eval")
     top1 = float(log.evals[-1]["value"])
     reached = [e for e in log.evals if e["value"] >= mlperf_target]
-    total_flop = run_flop(config, images, eval_images, [m for m in trained if m.get("kind") == "epoch"])
+    # each evaluation at the size and flips its record holds; the spans of crop sizes from the epoch
+    # records, less those a resume from an earlier checkpoint trained again
+    evaluations = [m for m in metrics if m.get("kind") == "eval"]
+    spans = [m for m in metrics if m.get("kind") in ("epoch", "resume") and m["time"] * 1000 <= log.end_ms + 1]
+    total_flop = run_flop(config, images, evaluations, spans)
     flops = total_flop / seconds
     level, reason = hpc_ai500_level(config)
     verdict = _mlperf_verdict(mllog, log, no_verdict, check)
