@@ -129,6 +129,9 @@ def test_a_model_setting_changed_after_the_checkpoint_is_the_checkpoints_not_a_c
     again = run_train("--test-only", "--out-dir", tmp_path / "run", "--blurpool", cwd=tmp_path)  # the run's own
     assert again.returncode == 0, again.stderr
     assert again.stdout.splitlines()[-1] == result.stdout.splitlines()[-1]
+    # a flag given that agrees with config.yaml but not with the checkpoint: still a contradiction
+    refused(run_train("--test-only", "--out-dir", tmp_path / "run", "--no-blurpool", cwd=tmp_path),
+            "--no-blurpool contradicts the checkpoint (its run trained with --blurpool)")
 
 
 def test_raw_weights_without_test_only_is_one_line_and_writes_nothing(tmp_path):
