@@ -417,3 +417,37 @@ def test_custom_network_refusal_exits_2_with_one_line():
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: --network custom needs --latency-us:")
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def ffcv_16_epochs(**changes) -> dict:
+    """The plan of the ffcv-rn50-16ep preset on 8 A100s (ResNet-50 with BlurPool, 16 epochs of 160 px
+    crops, evaluated every 4 epochs at 256 px with flips), its settings changed by `changes`."""
+    import dataclasses
+    from train.plan.cli import parser, setup_of
+    setup = setup_of(parser().parse_args(["--preset", "ffcv-rn50-16ep", "--gpu", "a100", "--gpus", "8"]))
+    return model.plan(dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, **changes)), 8)
+
+
+def work(row: dict) -> float:
+    """The FLOPs of a planned run: its FLOPS over its time to train."""
+    return row["flops"] * row["time_to_train_s"]
+
+
+def test_a_flipped_evaluation_is_planned_as_two_forward_passes():
+    from models import eval_flops_per_image
+    flipped, plain = ffcv_16_epochs(), ffcv_16_epochs(eval_flip=False)
+    assert flipped["eval_s"] == pytest.approx(2 * plain["eval_s"])
+    assert flipped["time_to_train_s"] - plain["time_to_train_s"] == pytest.approx(plain["eval_s"])
+    # 4 evaluations of 50,000 images, each image one more forward pass at 256 px
+    assert work(flipped) - work(plain) == pytest.approx(4 * 50_000 * eval_flops_per_image("resnet50", 256, blurpool=True))
+
+
+def test_the_plans_work_is_its_training_and_evaluations_with_blurpools_blurs():
+    from models import eval_flops_per_image, train_flops_per_image
+    blurred, plain = ffcv_16_epochs(), ffcv_16_epochs(blurpool=False)
+    for blurpool, row in ((True, blurred), (False, plain)):  # 16 epochs at 160 px; 4 flipped evaluations at 256
+        assert work(row) == pytest.approx(16 * 1_281_167 * train_flops_per_image("resnet50", 160, blurpool=blurpool)
+                                          + 4 * 50_000 * 2 * eval_flops_per_image("resnet50", 256, blurpool=blurpool))
+    assert work(blurred) > work(plain)
+    # the calibration points time the plain model: the blurs' time is not guessed
+    assert blurred["time_to_train_s"] == plain["time_to_train_s"]

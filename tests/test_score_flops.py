@@ -121,3 +121,45 @@ def test_a_real_run_with_flips_blurpool_and_a_changed_ramp_is_counted_as_it_ran(
     train = {size: train_flops_per_image("resnet18", size, 4, blurpool=True) for size in (16, 32)}
     expected = 128 * train[16] + 64 * train[32] + 2 * 96 * eval_flops_per_image("resnet18", 24, 4, blurpool=True)
     assert score_run(run, 0.763, 5, 0.759, check=False).total_flop == expected
+
+
+def test_each_evaluation_counts_at_the_size_and_flips_its_record_holds(tmp_path):
+    # config.yaml holds the settings of the last start (40 px, flipped); the first evaluation ran at 24 px
+    # unflipped, the second as config.yaml says, the third's record (a run from before records held them) says nothing
+    records = [epoch(1, 1_000, 32), {**evaluation(1, 300), "eval_image_size": 24, "eval_flip": False},
+               epoch(2, 2_000, 32), {**evaluation(2, 300), "eval_image_size": 40, "eval_flip": True},
+               epoch(3, 3_000, 32), evaluation(3, 300)]
+    run = hand_made_run(tmp_path / "run", {"eval_image_size": 40, "eval_flip": True}, records)
+    forward = {size: eval_flops_per_image("resnet18", size, 10) for size in (24, 40)}
+    expected = 3_000 * train_flops_per_image("resnet18", 32, 10) + 300 * forward[24] + 2 * 2 * 300 * forward[40]
+    assert score_run(run, 0.763, 5, 0.759, check=False).total_flop == expected
+
+
+def test_a_resume_from_a_checkpoint_before_a_stop_record_drops_what_it_trains_again():
+    # stopped a quarter into epoch 2 (its record: 1,250 images at 16 px) without that checkpoint reaching the
+    # disk; resumed from the epoch-1 checkpoint (step 10) under another ramp, epoch 2 trained again, at 32 px
+    records = [epoch(1, 1_000, 16), epoch(1.25, 1_250, 16), {"kind": "resume", "step": 10, "epoch": 1.0},
+               epoch(2, 2_000, 32)]
+    assert images_by_size({"resolution_schedule": "32:16:1:2:16"}, 2_000, records) == {16: 1_000, 32: 1_000}
+    # resumed from the stop's own checkpoint: nothing is trained again
+    records[2] = {"kind": "resume", "step": 12, "epoch": 1.25}
+    assert images_by_size({"resolution_schedule": "32:16:1:2:16"}, 2_000, records) == {16: 1_250, 32: 750}
+
+
+@pytest.mark.slow(seconds=8)
+def test_a_real_run_that_turns_flips_on_at_a_resume_counts_its_evaluations_as_they_ran(tmp_path):
+    flags = ["--loader", "synthetic", "--synthetic-images", 64, "--synthetic-val-images", 32, "--synthetic-classes", 4,
+             "--arch", "resnet18", "--image-size", 32, "--global-batch-size", 16, "--epochs", 2, "--eval-every", 1,
+             "--workers", 1, "--out-dir", "run"]
+    first = run_train(*flags, "--eval-image-size", 24, "--max-steps", 4, cwd=tmp_path)  # epoch 1 and its evaluation
+    assert first.returncode == 0, first.stderr
+    second = run_train(*flags, "--resume", "--eval-image-size", 40, "--eval-flip", "--max-steps", 0, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr
+    run = tmp_path / "run"
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["eval_images"], r["eval_image_size"], r["eval_flip"]) for r in records if r["kind"] == "eval"] == [
+        (32, 24, False), (32, 40, True)]
+    assert yaml.safe_load((run / "config.yaml").read_text())["eval_flip"] is True  # today's settings only
+    forward = {size: eval_flops_per_image("resnet18", size, 4) for size in (24, 40)}
+    expected = 128 * train_flops_per_image("resnet18", 32, 4) + 32 * forward[24] + 2 * 32 * forward[40]
+    assert score_run(run, 0.763, 5, 0.759, check=False).total_flop == expected

@@ -20,7 +20,7 @@ from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, CustomNetwork, Gpu, gpu
 from train.rules import interpolate
 from train.schedule import batch_phases, largest_image_size, resolution_ramp
 from train.stopping import interval as agreement_interval
-from train.score.flops import IMAGENET_TRAIN_IMAGES, published_flop, valid_flops
+from train.score.flops import IMAGENET_TRAIN_IMAGES, valid_flops
 
 IMAGENET_VAL_IMAGES = 50_000
 BACKWARD_SHARE = 2 / 3  # backward is two thirds of a training step's FLOPs (forward one third)
@@ -266,6 +266,7 @@ def resolution_spans(cfg: Config, start: float, end: float) -> list[tuple[float,
 
 def plan(setup: Setup, gpus: int) -> dict:
     """The run on `gpus` GPUs: one row of the planner's output (Skip when the batch does not divide)."""
+    from models import eval_flops_per_image, train_flops_per_image  # (loads torch: not for --help)
     nodes = nodes_of(gpus, setup.machine.gpus_per_node)
     check_rows(gpus, setup.torus_rows if setup.allreduce == "torus" else 0)
     spans, epochs, epochs_source = phases(setup, gpus)
@@ -279,11 +280,13 @@ def plan(setup: Setup, gpus: int) -> dict:
     steps_total = train_s = eval_s = trained = flop = 0.0
     evals = math.ceil(epochs / setup.cfg.eval_every) if setup.cfg.eval_every else 1
     eval_size = setup.cfg.eval_image_size or setup.cfg.image_size
+    arch, blurpool = setup.cfg.arch, setup.cfg.blurpool  # (the FLOPs of the model the run builds)
+    passes = 2 if setup.cfg.eval_flip else 1  # --eval-flip: each image and its mirror image pass the model
     terms, start = [], 0.0
     for span_epochs, batch in spans:
         eval_steps = math.ceil(math.ceil(IMAGENET_VAL_IMAGES / gpus) / batch)
-        # an evaluation step is a forward pass: a third of a training step's compute
-        eval_s += (evals * span_epochs / epochs * eval_steps * (1 - BACKWARD_SHARE)
+        # an evaluation step is a forward pass a batch (two with flips): a third of a training step's compute
+        eval_s += (evals * span_epochs / epochs * eval_steps * passes * (1 - BACKWARD_SHARE)
                    * compute_seconds(setup, batch, eval_size))
         for size_epochs, size in resolution_spans(setup.cfg, start, start + span_epochs):  # (progressive resizing)
             step = step_terms(setup, gpus, batch, size)
@@ -291,9 +294,11 @@ def plan(setup: Setup, gpus: int) -> dict:
             steps_total += steps
             train_s += steps * step["step_s"]
             trained += steps * step["global_batch"]
-            flop += published_flop(round(size_epochs * IMAGENET_TRAIN_IMAGES), setup.cfg.arch, size)
+            flop += round(size_epochs * IMAGENET_TRAIN_IMAGES) * train_flops_per_image(arch, size, blurpool=blurpool)
             terms.append({**step, "epochs": size_epochs, "steps": steps})
         start += span_epochs
+    # the work of the evaluations too, as train.score counts a run's: each validation image once an evaluation
+    flop += evals * IMAGENET_VAL_IMAGES * passes * eval_flops_per_image(arch, eval_size, blurpool=blurpool)
     time_to_train = setup.startup_s + train_s + eval_s
     flops = flop / time_to_train
     first = terms[0]
