@@ -4,13 +4,14 @@ scaling below 8.0, where bf16 would be emulated; bf16 from 8.0), the loader (DAL
 where DALI's CUDA build is there, else torch with a line saying why), and the per-GPU batch (the largest
 multiple of 16 up to 512 that fits the GPU's memory, by the memory model, models/memory.py)."""
 import functools
+import socket
 from types import SimpleNamespace
 
 import pytest
 import torch
 
 from helpers import resnet50_kept_values, run_train
-from train.device_choices import choose_loader, default_batch, loader_summary
+from train.device_choices import check_kernels, choose_loader, default_batch, has_kernels_for, loader_summary
 from train.errors import UsageError
 from train.precision import explain, resolve
 
@@ -126,3 +127,102 @@ def test_dali_decoding_on_the_gpu_without_one_is_one_line(tmp_path):
     assert done.returncode == 2
     assert done.stderr.strip() == "error: --dali-decode gpu needs a CUDA GPU; use --dali-decode cpu (or auto) here"
     assert not (tmp_path / "run").exists()
+
+
+# what torch.cuda.get_arch_list() says in torch 2.14's builds: CUDA 13 (PyPI's default) and CUDA 12.6 (PyTorch's index)
+CUDA13_BUILD = ["sm_75", "sm_80", "sm_86", "sm_90", "sm_100", "sm_120"]
+CUDA126_BUILD = ["sm_50", "sm_60", "sm_70", "sm_75", "sm_80", "sm_86", "sm_90"]
+
+
+@pytest.mark.parametrize("capability, arch_list, runs", [
+    ((7, 0), CUDA13_BUILD, False),  # V100: CUDA 13 dropped Volta
+    ((7, 0), CUDA126_BUILD, True),
+    ((7, 5), CUDA13_BUILD, True), ((8, 0), CUDA13_BUILD, True), ((9, 0), CUDA13_BUILD, True),
+    ((8, 9), CUDA13_BUILD, True),  # L4, L40S: sm_86's machine code runs on 8.9
+    ((10, 3), CUDA13_BUILD, True),  # sm_100's on 10.3
+    ((11, 0), CUDA13_BUILD, False),  # another major version: no machine code of its own, no PTX
+    ((10, 0), CUDA126_BUILD, False),
+    ((8, 0), ["sm_86"], False),  # machine code runs at its minor or above, not below
+    ((12, 0), ["sm_80", "compute_80"], True),  # PTX: compiled by the driver for newer GPUs
+    ((7, 0), ["compute_80"], False),  # but not for older ones
+    ((9, 0), ["sm_90a"], True), ((10, 0), ["sm_100a"], True), ((10, 3), ["sm_100a"], False),  # `a`: its own alone
+    ((7, 0), [], True),  # a build that does not say: not refused
+])
+def test_a_gpu_has_kernels_when_machine_code_of_its_major_or_ptx_below_it_is_built(capability, arch_list, runs):
+    assert has_kernels_for(capability, arch_list) is runs
+
+
+@pytest.fixture
+def torch_build(monkeypatch):
+    """The installed torch as built for these architectures, on a machine whose first GPU is faked."""
+    def make(arch_list):
+        monkeypatch.setattr(torch.cuda, "get_arch_list", lambda: list(arch_list))
+        monkeypatch.setattr(torch.version, "hip", None)
+    return make
+
+
+def test_a_gpu_the_torch_build_has_no_kernels_for_is_refused_in_one_line(fake_gpu, torch_build):
+    fake_gpu((7, 0), "Tesla V100-SXM2-32GB")
+    torch_build(CUDA13_BUILD)
+    with pytest.raises(UsageError) as refused:
+        check_kernels(GPU)
+    line = str(refused.value)
+    assert line.startswith(f"Tesla V100-SXM2-32GB (compute capability 7.0, GPU 0 of {socket.gethostname()}): "
+                           f"torch {torch.__version__} has no kernels for it (built for sm_75, sm_80, sm_86, sm_90, "
+                           "sm_100, sm_120); run scripts/setup.sh on this node")
+    assert "CUDA 12.6" in line and "Dockerfile" in line and "\n" not in line
+    torch_build(CUDA126_BUILD)
+    check_kernels(GPU)  # the build setup.sh installs for it
+    fake_gpu((9, 0), "NVIDIA H100 80GB HBM3")
+    torch_build(CUDA13_BUILD)
+    check_kernels(GPU)
+
+
+def test_the_cpu_is_not_asked_about_kernels(monkeypatch):
+    def no_gpu_here(*args):
+        raise AssertionError("torch.cuda asked on a CPU run")
+    monkeypatch.setattr(torch.cuda, "get_arch_list", no_gpu_here)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", no_gpu_here)
+    check_kernels(CPU)
+
+
+def test_a_run_on_a_gpu_without_kernels_ends_at_start_with_exit_2(fake_gpu, torch_build, monkeypatch, tmp_path, capsys):
+    """Where every engine takes its device (train/engines/launch.py, local_device): one line, exit 2,
+    before the run directory exists or any kernel runs (a CPU machine, its one V100 faked)."""
+    fake_gpu((7, 0), "Tesla V100-SXM2-16GB")
+    torch_build(CUDA13_BUILD)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    from train.__main__ import main
+    code = main(["--arch", "resnet18", "--loader", "synthetic", "--synthetic-images", "64", "--image-size", "32",
+                 "--max-steps", "1", "--out-dir", str(tmp_path / "run")])
+    printed = capsys.readouterr()
+    assert code == 2, printed
+    assert printed.err.startswith("error: Tesla V100-SXM2-16GB (compute capability 7.0, GPU 0 of ")
+    assert len(printed.err.strip().splitlines()) == 1 and not printed.out
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("command", ["predict", "bench infer"])
+def test_predict_and_bench_infer_refuse_a_gpu_without_kernels_alike(command, fake_gpu, torch_build, monkeypatch,
+                                                                   tmp_path, capsys):
+    """predict and bench infer take their GPU where training does, checked the same way."""
+    fake_gpu((7, 0), "Tesla V100-SXM2-16GB")
+    torch_build(CUDA13_BUILD)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    (tmp_path / "photo.jpg").write_bytes(b"not read before the device is chosen")
+    if command == "predict":
+        from train.predict import main
+        code = main([str(tmp_path / "run"), str(tmp_path / "photo.jpg")])
+    else:
+        from train.bench import main
+        code = main(["infer", "--arch", "resnet18", "--report", str(tmp_path / "infer.json")])
+    printed = capsys.readouterr()
+    assert code == 2, printed
+    assert printed.err.startswith("error: Tesla V100-SXM2-16GB (compute capability 7.0, GPU 0 of "), printed.err
+    assert len(printed.err.strip().splitlines()) == 1 and not (tmp_path / "infer.json").exists()

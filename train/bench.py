@@ -185,7 +185,8 @@ def bench_infer(argv: list[str]) -> int:
             backends.remove("onnxruntime")
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    from train.engines.launch import local_device
+    device = local_device(0)  # (its GPU checked to be one the installed torch has kernels for)
     model, evaluated_size, precision_name, what, evaluated_flip = _model(args, device)
     image_size = args.image_size or evaluated_size
     flip = evaluated_flip if args.flip is None else args.flip

@@ -16,9 +16,15 @@ per-GPU batch. (The precision follows the GPU's compute capability: train/precis
   the way nor the input pipeline's buffers (DALI's are not torch's), and a first step that runs out
   of memory costs a user more than a batch a little smaller than it could be. With it a V100-16GB
   takes 256 in fp16, NVIDIA's own choice there; an A100, H100 or H200 takes 512.
+
+Before any of it, the GPU itself: one the installed torch build has no kernels for is refused at start
+(check_kernels), rather than failing at its first kernel with CUDA's "no kernel image is available for
+execution on the device" (a V100 under torch's CUDA 13 builds, which compile for 7.5 and up).
 """
 import importlib.metadata
 import importlib.util
+import re
+import socket
 
 import torch
 
@@ -29,6 +35,48 @@ GPU_BATCH_LIMIT = 512  # the largest default per-GPU batch (module docstring)
 GPU_BATCH_MULTIPLE = 16
 GPU_MEMORY_SHARE = 0.85  # of the GPU's memory, the default batch's step is fitted into (module docstring)
 DALI_PACKAGE = "nvidia-dali-cuda130"  # what scripts/setup.sh and the Dockerfile install (-cuda120 on CUDA 12 stacks)
+
+
+# how a torch build's architectures read (torch.cuda.get_arch_list()): sm_90 (machine code), sm_90a (machine
+# code for 9.0 alone), compute_90 (PTX)
+ARCH_ENTRY = re.compile(r"(sm|compute)_(\d+)(\d)([a-z]?)$")
+SETUP_ROUTE = ("run scripts/setup.sh on this node (it installs a torch build for its GPUs: PyTorch's CUDA 12.6 "
+               "build below compute capability 7.5), or use the container (Dockerfile)")
+
+
+def has_kernels_for(capability: tuple[int, int], arch_list: list[str]) -> bool:
+    """Whether a torch build compiled for `arch_list` runs on a GPU of this compute capability. Machine
+    code runs on its own major version at its minor or above (sm_80's on 8.6 and 8.9), an `a` build
+    (sm_90a) on its own capability alone; PTX (compute_90) on its capability and every one above, which
+    the driver compiles it for (NVIDIA's CUDA compatibility guide). A build that lists nothing runs."""
+    if not arch_list:
+        return True
+    for entry in arch_list:
+        parsed = ARCH_ENTRY.match(entry)
+        if not parsed:
+            continue
+        kind, major, minor, variant = parsed.group(1), int(parsed.group(2)), int(parsed.group(3)), parsed.group(4)
+        if kind == "compute" and capability >= (major, minor):
+            return True
+        if kind == "sm" and (capability == (major, minor) or (
+                variant != "a" and capability[0] == major and capability[1] >= minor)):
+            return True
+    return False
+
+
+def check_kernels(device: torch.device) -> None:
+    """Refuses (UsageError) a GPU the installed torch build has no kernels for, naming the GPU, its
+    compute capability, the build's architectures and what to do."""
+    if device.type != "cuda" or torch.version.hip:  # (ROCm builds name gfx targets)
+        return
+    arch_list = torch.cuda.get_arch_list()
+    major, minor = torch.cuda.get_device_capability(device)
+    if has_kernels_for((major, minor), arch_list):
+        return
+    index = torch.cuda.current_device() if device.index is None else device.index
+    raise UsageError(f"{torch.cuda.get_device_name(device)} (compute capability {major}.{minor}, GPU {index} of "
+                     f"{socket.gethostname()}): torch {torch.__version__} has no kernels for it (built for "
+                     f"{', '.join(arch_list)}); {SETUP_ROUTE}")
 
 
 def dali_cuda_build() -> str:

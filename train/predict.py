@@ -80,11 +80,10 @@ class CheckpointModel:
     images averaged in (None: as the run's evaluation did)."""
 
     def __init__(self, source: str, flip: bool | None, raw: bool):
-        import torch
-
+        from train.engines.launch import local_device
         from train.inference import load_trained
         from train.precision import Precision
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.device = local_device(0)  # (its GPU checked to be one the installed torch has kernels for)
         trained = load_trained(source, self.device, raw)
         self.model, self.class_names, self.image_size = trained.model, trained.class_names, trained.image_size
         self.flip = trained.flip if flip is None else flip

@@ -215,7 +215,7 @@ def checked_setup(cfg: Config, engine, out_dir: str):
         _check_out_dir(run)
         if run.resume:
             _check_resume_position(run, loader)
-    warnings = [line for line in (precision.warning, loader_warning) if line]
+    warnings = [line for line in (engine.warning, precision.warning, loader_warning) if line]
     notes = {"lr": note, "batch": batch_note, "crops": crop_note(cfg)}
     return run, loader, precision, data_dir, notes, init, warnings
 

@@ -35,6 +35,7 @@ class Engine(Protocol):
     elastic: bool  # the rank count may change while the process runs (Horovod Elastic)
     hosts: list[str] | None  # every rank's host name in rank order: the nodes (None: not known, Horovod Elastic)
     wire_note: str | None  # one line for the run's output on --fp16-allreduce's wire (train/engines/wire.py)
+    warning: str  # a line for the run's warnings about how the ranks talk ("" when there is none)
 
     def sync_batchnorm(self, model: torch.nn.Module, span: int, ghost: int = 0) -> torch.nn.Module:
         """BatchNorm statistics over groups of `span` consecutive ranks and, with `ghost` G > 0, over

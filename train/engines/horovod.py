@@ -59,6 +59,7 @@ class Horovod(Topology):
             set_library_timeouts(collective_timeout())
         hvd.init()
         self.rejoin()
+        self.warning = nccl_warning(hvd.nccl_built(), self.device)
 
     def rejoin(self) -> None:
         """Rank, size and layout from Horovod, after hvd.init() (again, under Horovod Elastic). No
@@ -168,6 +169,17 @@ class Horovod(Topology):
         # the two-level all-reduce) would otherwise shut Horovod down under ranks still waiting on theirs
         self.hvd.barrier()
         self.hvd.shutdown()
+
+
+def nccl_warning(nccl_built, device: torch.device) -> str:
+    """A line for a GPU run whose Horovod was built without NCCL, else "": its all-reduces of GPU
+    tensors then go through host memory. (Horovod takes NCCL only when the build sees a GPU or is
+    told the GPUs' architectures.)"""
+    if device.type != "cuda" or nccl_built:
+        return ""
+    return ("Horovod was built without NCCL (horovod.torch.nccl_built() is false): the gradient all-reduces of this "
+            "GPU run go through host memory, many times slower; rebuild it with scripts/setup.sh on a node that sees "
+            "the GPUs, or with TRAINER_GPUS set where it does not (docs/gpu.md)")
 
 
 def horovod_hierarchical(nccl_built, mpi_enabled: bool, device_type: str, nodes: int) -> bool:

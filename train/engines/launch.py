@@ -5,14 +5,24 @@ from dataclasses import dataclass
 
 import torch
 
+from train.device_choices import check_kernels
+from train.engines.network import tell_refusal
 from train.errors import UsageError
 
 
 def local_device(local_rank: int) -> torch.device:
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    """This rank's device: its GPU (local rank modulo the GPUs visible), checked to be one the installed
+    torch has kernels for, before any library starts on it; else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.cuda.set_device(local_rank % torch.cuda.device_count())
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        check_kernels(device)
+    except UsageError as err:
+        tell_refusal(f"{err}")  # torchrun: the ranks of the other nodes would wait for this one
+        raise
+    return device
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from train.engines.wire import NOT_ON_ONE_PROCESS
 class SingleProcess:
     name = "none"
     elastic = False
+    warning = ""
 
     def __init__(self, cfg, launch=None):
         self.wire_note = NOT_ON_ONE_PROCESS if cfg.fp16_allreduce else None  # (for the run's output)

@@ -21,6 +21,7 @@ class TorchDistributed(Topology):
     """torch.distributed: NCCL on GPUs, gloo on CPUs; DDP with gradient bucketing."""
     name = "torch"
     elastic = False  # (torchrun's elastic restarts start new processes: restart is resume)
+    warning = ""
 
     def __init__(self, cfg, launch=None):
         import torch.distributed as dist
