@@ -26,7 +26,7 @@ usage() { die "usage: cluster.sh up DIR --nodes N [--link-rate RATE] [--slurm] |
 
 checkout=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd -P)
 REGISTRY=/run/trainer-cluster       # one folder per running cluster: namespace files, its DIR
-SSHD=${TRAINER_SSHD:-/opt/trainer-openssh/usr/sbin/sshd}   # scripts/setup.sh unpacks it there
+SSHD=${TRAINER_SSHD:-/opt/trainer-openssh/usr/sbin/sshd}   # scripts/test.sh unpacks it there
 
 action=${1:-}; [ -n "$action" ] || usage; shift
 dir=${1:-}; [ -n "$dir" ] || usage; shift
@@ -134,7 +134,7 @@ done
 for tool in ip nsenter unshare tc ssh ssh-keygen; do
     command -v "$tool" >/dev/null || die "$tool is missing; run: bash scripts/setup.sh"
 done
-[ -x "$SSHD" ] || die "no sshd at $SSHD; run: bash scripts/setup.sh (it unpacks openssh-server there without starting it)"
+[ -x "$SSHD" ] || die "no sshd at $SSHD; run bash scripts/test.sh as root (its set-up unpacks openssh-server there without starting it)"
 if [ -d "$run" ]; then
     die "a cluster is already up at $(cat "$run/dir" 2>/dev/null || echo "$dir"); run: bash scripts/cluster.sh down $dir"
 fi

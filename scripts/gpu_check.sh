@@ -8,9 +8,10 @@
 # are visible, a 2-GPU stage under torchrun (scaling and its trace); --compile against eager;
 # Horovod's asynchronous completion (`Horovod absent` without Horovod); the planner's images/s beside
 # the measured; published anchors. Each figure is printed as it is measured.
-# Uses the node's own python3 and torch (PYTHON=... for another). Packages it lacks come from .whl/,
-# the wheels folder that goes with the checkout (scripts/gpu_wheels.sh fills it where PyPI is
-# reachable), installed without network into the check's temporary folder.
+# Uses the node's own python3 and torch (PYTHON=... for another). The packages it lacks come from
+# .whl/, the wheels folder for nodes without network (an air-gapped cluster's), copied to the node with
+# the checkout (scripts/gpu_wheels.sh fills it where PyPI is reachable), and are installed without
+# network into the check's temporary folder.
 # The runs, their JPEGs and the installed wheels live in a temporary folder removed at the end; the
 # output folder ${OUT:-gpu_figures}/ gets at most these 6 files, small enough to copy back from a
 # remote node: gpu_figures.txt (what the check printed: one line per gpu test with its outcome, then
@@ -27,7 +28,7 @@
 #       the figures' runs on the CPU at toy sizes (the DALI and Horovod runs as on a GPU: absent where
 #       they are; the 2-GPU stage as 2 CPU processes; --compile left out: it takes minutes on a CPU).
 #       tests/test_gpu.py runs it on .venv-device (Python 3.12, torch 2.11 with CUDA 13, numpy, PyYAML:
-#       a bare GPU node's stack, made by scripts/setup.sh)
+#       a bare GPU node's stack, made by scripts/test.sh)
 set -uo pipefail
 PY=${PYTHON:-python3}
 DALI_ABSENT="DALI absent"  # the skip reason of tests/test_gpu.py's DALI tests

@@ -158,12 +158,12 @@ def test_gpu_check_refuses_a_machine_without_cuda(tmp_path):
     assert (tmp_path / "gpu_figures.txt").read_text().splitlines()[-1] == "error: no CUDA GPU visible"
 
 
-DEVICE_PYTHON = REPO / ".venv-device" / "bin" / "python"  # a bare GPU node's stack (scripts/setup.sh)
+DEVICE_PYTHON = REPO / ".venv-device" / "bin" / "python"  # a bare GPU node's stack (scripts/test.sh)
 MOST_FILES, MOST_BYTES, MOST_DEPTH = 8, 16 * 2 ** 20, 2  # what $OUT may hold: small enough to copy back from a node
 
 
 @pytest.mark.slow(seconds=120)
-@pytest.mark.skipif(not DEVICE_PYTHON.exists(), reason="no .venv-device: scripts/setup.sh makes it where Python 3.12 is")
+@pytest.mark.skipif(not DEVICE_PYTHON.exists(), reason="no .venv-device: scripts/test.sh makes it where Python 3.12 is")
 def test_gpu_check_dry_runs_on_a_bare_gpu_nodes_stack(tmp_path, record_property):
     """gpu_check.sh --dry-run on Python 3.12 with torch 2.11 and nothing else of ours: the wheels of
     .whl/ install without network, the gpu tests load (only their files: the others need packages
