@@ -186,15 +186,20 @@ def test_the_cpu_is_not_asked_about_kernels(monkeypatch):
     check_kernels(CPU)
 
 
-def test_a_run_on_a_gpu_without_kernels_ends_at_start_with_exit_2(fake_gpu, torch_build, monkeypatch, tmp_path, capsys):
-    """Where every engine takes its device (train/engines/launch.py, local_device): one line, exit 2,
-    before the run directory exists or any kernel runs (a CPU machine, its one V100 faked)."""
+@pytest.fixture
+def visible_v100_under_cuda13(fake_gpu, torch_build, monkeypatch):
+    """One V100 visible to a CUDA 13 build of torch (which has no kernels for it), on a CPU machine."""
     fake_gpu((7, 0), "Tesla V100-SXM2-16GB")
     torch_build(CUDA13_BUILD)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+
+
+def test_a_run_on_a_gpu_without_kernels_ends_at_start_with_exit_2(visible_v100_under_cuda13, tmp_path, capsys):
+    """Where every engine takes its device (train/engines/launch.py, local_device): one line, exit 2,
+    before the run directory exists or any kernel runs (a CPU machine, its one V100 faked)."""
     from train.__main__ import main
     code = main(["--arch", "resnet18", "--loader", "synthetic", "--synthetic-images", "64", "--image-size", "32",
                  "--max-steps", "1", "--out-dir", str(tmp_path / "run")])
@@ -206,15 +211,8 @@ def test_a_run_on_a_gpu_without_kernels_ends_at_start_with_exit_2(fake_gpu, torc
 
 
 @pytest.mark.parametrize("command", ["predict", "bench infer"])
-def test_predict_and_bench_infer_refuse_a_gpu_without_kernels_alike(command, fake_gpu, torch_build, monkeypatch,
-                                                                   tmp_path, capsys):
+def test_predict_and_bench_infer_refuse_a_gpu_without_kernels_alike(command, visible_v100_under_cuda13, tmp_path, capsys):
     """predict and bench infer take their GPU where training does, checked the same way."""
-    fake_gpu((7, 0), "Tesla V100-SXM2-16GB")
-    torch_build(CUDA13_BUILD)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "set_device", lambda index: None)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     (tmp_path / "photo.jpg").write_bytes(b"not read before the device is chosen")
     if command == "predict":
         from train.predict import main

@@ -10,6 +10,7 @@ from data.transfer import to_device
 from models import build_model
 from train import checkpoint
 from train.config import Config
+from train.inference import evaluated_logits
 from train.errors import UsageError
 from train.startup import on_every_rank, prepare_evaluation
 
@@ -38,9 +39,7 @@ def evaluate(model, loader, precision, engine, flip: bool = False) -> tuple[floa
     for done, (batch, labels) in enumerate(loader.val_batches(), 1):
         batch = padded(batch, loader.eval_batch_size)
         with precision.autocast():
-            logits = model(batch)
-            if flip:
-                logits = (logits + model(batch.flip(3))) / 2
+            logits = evaluated_logits(model, batch, flip)
         top = logits[:len(labels)].topk(min(5, logits.shape[1]), dim=1).indices
         hits = top == labels[:, None]
         hits_so_far += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()])

@@ -98,9 +98,9 @@ FLIP_HOW = "mean of the logits of the image and its left-right mirror"  # train/
 
 
 def evaluated_logits(logits_of, batch: torch.Tensor, flip: bool) -> torch.Tensor:
-    """The logits of an NCHW `batch` as the run's evaluation takes them: `logits_of(batch)`, and with
-    `flip` their mean with the logits of the batch mirrored left to right (in that order, as
-    train/evaluate.py adds them)."""
+    """The logits of an NCHW `batch` as the run's evaluation takes them (train/evaluate.py, predict,
+    bench infer): `logits_of(batch)`, and with `flip` their mean with the logits of the batch mirrored
+    left to right."""
     logits = logits_of(batch)
     return (logits + logits_of(batch.flip(3))) / 2 if flip else logits
 
