@@ -145,7 +145,7 @@ class DaliLoader(FileLoader):
         self.layout = "HWC" if cfg.channels_last else "CHW"  # NHWC is NCHW in channels_last strides
         self.pipeline_def = pipeline_def
         self.builds = 0  # pipelines built (once per run and kind, again when the per-rank batch changes)
-        self.passes = {}  # augment (True | False) -> (per-rank batch, _Passes, PassRecord) of the training pipelines
+        self.passes = {}  # augment (True | False) -> ((per-rank batch, batches per step), _Passes, PassRecord) of the training pipelines
         self.val_passes, self.val_pull = None, _Pull()
         # the evaluation files' readers: threads, which wait on the disk with the GIL released
         self.eval_readers = ThreadPoolExecutor(max(1, cfg.workers), thread_name_prefix="dali-eval-reader")
@@ -222,18 +222,18 @@ class DaliLoader(FileLoader):
     def _training_passes(self, augment: bool, epoch: int) -> tuple[_Passes, PassRecord]:
         """The training pipeline of this kind for the current per-rank batch, built on first use (the
         crop size is each pass's own: _train_pass)."""
-        batch_size = self.sampler.batch_size
-        if augment in self.passes and self.passes[augment][0] == batch_size:
+        batch_size, shape = self.sampler.batch_size, (self.sampler.batch_size, self.sampler.accumulation)
+        if augment in self.passes and self.passes[augment][0] == shape:
             return self.passes[augment][1:]
         self.passes.pop(augment, None)  # a batch-size change: the old pipeline and its readers go
         if self.reader_source is None:
             self.reader_source = packed(self.train_source)
-        record = PassRecord(self.steps_per_epoch, batch_size)
+        record = PassRecord(self.sampler.steps * self.sampler.accumulation, batch_size)
         seed = (epoch_seed(self.cfg.seed, epoch) * 1009 + self.rank) % (1 << 31)  # DALI's own, per rank
         pipe = self._pipeline(TrainReader(self.reader_source, record), batch_size, seed, augment, parallel=True)
         passes = _Passes(pipe, record.stop, self.device)
         record.remove()  # the readers have it mapped now
-        self.passes[augment] = (batch_size, passes, record)
+        self.passes[augment] = (shape, passes, record)
         return passes, record
 
     # batches -------------------------------------------------------------------------------------
@@ -262,22 +262,24 @@ class DaliLoader(FileLoader):
     def _rank_order(self, epoch: int) -> np.ndarray:
         """This rank's files of the epoch, steps x batch: its slice of every global batch of the
         epoch's permutation (TrainBatchSampler's order)."""
-        sampler, steps = self.sampler, self.steps_per_epoch
-        order = epoch_permutation(sampler.num_items, sampler.seed, epoch)[:steps * sampler.global_batch].numpy()
+        sampler = self.sampler
+        batches = sampler.steps * sampler.accumulation  # (--accumulation-steps: each step's batches, in order)
+        order = epoch_permutation(sampler.num_items, sampler.seed, epoch)[:batches * sampler.global_batch].numpy()
         first = sampler.rank * sampler.batch_size
-        return order.reshape(steps, sampler.global_batch)[:, first:first + sampler.batch_size]
+        return order.reshape(batches, sampler.global_batch)[:, first:first + sampler.batch_size]
 
     def _train_pass(self, epoch, start_step, augment):
         passes, record = self._training_passes(augment, epoch)
         token = passes.begin()
-        record.start(passes.count, self._rank_order(epoch), start_step, crop_sides(self.train_size))
+        record.start(passes.count, self._rank_order(epoch), start_step * self.sampler.accumulation,
+                     crop_sides(self.train_size))
         counted = set()  # this epoch's unreadable files, each counted once
         count = len(self.train_source)
         for images, meta in passes.outputs(token):
             images, labels, meta = self._batch(images, meta)
             for index, skipped in meta[meta[:, SKIPPED] > 0][:, [FILE, SKIPPED]].tolist():
                 self._note_skipped([self.train_source.name((index + k) % count) for k in range(skipped)], counted)
-            self.last_positions = self.sampler.positions(int(meta[0, STEP]))  # the step the readers served
+            self.last_positions = self.sampler.positions(int(meta[0, STEP]))  # the batch the readers served
             yield images, labels
 
     def _eval_feed(self):

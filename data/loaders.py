@@ -20,6 +20,7 @@ class LoaderSettings:
     """What a loader is told: the few settings of the run that shape its batches."""
     data_dir: str = ""
     batch_size: int = 256  # per rank
+    accumulation_steps: int = 1  # batches per optimizer step (0: 1)
     image_size: int = 224  # of training crops
     eval_image_size: int = 0  # of evaluation crops (0: image_size)
     workers: int = 4
@@ -77,7 +78,7 @@ class Loader:
 
     def __init__(self, num_classes, train_images, val_images, steps_per_epoch, train_size):
         self.num_classes, self.train_images, self.train_size = num_classes, train_images, train_size
-        self.val_images, self.steps_per_epoch = val_images, steps_per_epoch
+        self.val_images, self.steps_per_epoch = val_images, steps_per_epoch  # optimizer steps
         self.skipped, self.skipped_names = 0, []
 
     def _note_skipped(self, names, counted: set) -> None:
@@ -96,16 +97,17 @@ class Loader:
         return report
 
     def train_batches(self, epoch: int, start_step: int = 0, augment: bool = True):
-        """This rank's batches of the epoch from `start_step` on; without `augment`, each training
-        image gets the evaluation transform (resize and centre crop) instead of a random crop and flip."""
+        """This rank's batches of the epoch from optimizer step `start_step` on (--accumulation-steps of
+        them per step); without `augment`, each training image gets the evaluation transform (resize
+        and centre crop) instead of a random crop and flip."""
         raise NotImplementedError
 
     def val_batches(self):
         raise NotImplementedError
 
-    def set_batch_size(self, per_rank: int) -> None:
-        """Batch-size control: this rank's training batch (and so the steps per epoch) from the next
-        train_batches on. Every image still appears once per epoch."""
+    def set_batch_size(self, per_rank: int, accumulation: int = 1) -> None:
+        """Batch-size control: this rank's training batch and the batches per optimizer step (and so the
+        steps per epoch) from the next train_batches on. Every image still appears once per epoch."""
         raise NotImplementedError
 
     def set_image_size(self, size: int) -> None:
@@ -127,22 +129,22 @@ class FileLoader(Loader):
         self.train_source, self.val_source = (open_split(root, split, classes, rank == 0, getattr(cfg, "relist", False)) for split in ("train", "val"))
         digest = hashlib.sha256(f"{self.train_source.digest()} {self.val_source.digest()}".encode())
         self.sample_list_digest = digest.hexdigest()[:32]
-        self.sampler = TrainBatchSampler(len(self.train_source), cfg.batch_size, rank, world_size, cfg.seed)
+        accumulation = max(cfg.accumulation_steps, 1)
+        self.sampler = TrainBatchSampler(len(self.train_source), cfg.batch_size, rank, world_size, cfg.seed, accumulation)
         self.class_names = list(classes)  # (a run records them: --test-only compares a --data-dir's with them)
-        if len(self.train_source) < self.sampler.global_batch and not cfg.evaluate_only:
+        if not self.sampler.steps and not cfg.evaluate_only:
             raise DataError(f"{root / 'train'} has {len(self.train_source)} images, fewer than one global batch of "
-                            f"{self.sampler.global_batch}; lower --batch-size")
-        super().__init__(len(classes), len(self.train_source), len(self.val_source),
-                         len(self.train_source) // self.sampler.global_batch, cfg.image_size)
+                            f"{self.sampler.global_batch * accumulation}; lower --batch-size")
+        super().__init__(len(classes), len(self.train_source), len(self.val_source), self.sampler.steps, cfg.image_size)
         self.eval_batches = eval_batches(len(self.val_source), cfg.batch_size, rank, world_size)
         self.eval_batch_size = cfg.batch_size
         counts = self.train_source.class_counts()  # (None: shards written without their counts)
         if counts is not None:
             self.empty_classes = [name for name, count in zip(classes, counts) if count == 0]
 
-    def set_batch_size(self, per_rank: int) -> None:
-        self.sampler.batch_size, self.sampler.global_batch = per_rank, per_rank * self.sampler.world_size
-        self.steps_per_epoch = self.train_images // self.sampler.global_batch
+    def set_batch_size(self, per_rank: int, accumulation: int = 1) -> None:
+        self.sampler.resize(per_rank, accumulation)
+        self.steps_per_epoch = self.sampler.steps
 
 
 _VAL_STREAM = 1 << 45  # validation samples are indexed apart from any training index
@@ -154,12 +156,14 @@ class SyntheticLoader(Loader):
 
     def __init__(self, cfg, rank, world_size, device):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
-        self.batch_size, self.global_batch = cfg.batch_size, cfg.batch_size * world_size
+        self.sampler = TrainBatchSampler(cfg.synthetic_images, cfg.batch_size, rank, world_size, cfg.seed,
+                                         max(cfg.accumulation_steps, 1))  # (its positions; the order is the index)
         self.eval_batch_size = cfg.batch_size
-        if cfg.synthetic_images < self.global_batch and not cfg.evaluate_only:
-            raise DataError(f"--synthetic-images {cfg.synthetic_images} is fewer than one global batch of {self.global_batch}")
-        super().__init__(cfg.synthetic_classes, cfg.synthetic_images, cfg.synthetic_val_images,
-                         cfg.synthetic_images // self.global_batch, cfg.image_size)
+        if not self.sampler.steps and not cfg.evaluate_only:
+            raise DataError(f"--synthetic-images {cfg.synthetic_images} is fewer than one global batch of "
+                            f"{self.sampler.global_batch * self.sampler.accumulation}")
+        super().__init__(cfg.synthetic_classes, cfg.synthetic_images, cfg.synthetic_val_images, self.sampler.steps,
+                         cfg.image_size)
         described = f"synthetic {cfg.synthetic_images} {cfg.synthetic_val_images} {cfg.synthetic_classes} {cfg.seed} {cfg.image_size}"
         described += f" {eval_size(cfg)}" if eval_size(cfg) != cfg.image_size else ""
         self.sample_list_digest = hashlib.sha256(described.encode()).hexdigest()[:32]
@@ -174,15 +178,15 @@ class SyntheticLoader(Loader):
         self.banks = {s: self.banks.get(s) or ImageBank(self.cfg.seed, s, self.device, self.cfg.channels_last)
                       for s in sorted(sizes)}
 
-    def set_batch_size(self, per_rank: int) -> None:
-        self.batch_size, self.global_batch = per_rank, per_rank * self.world_size
-        self.steps_per_epoch = self.train_images // self.global_batch
+    def set_batch_size(self, per_rank: int, accumulation: int = 1) -> None:
+        self.sampler.resize(per_rank, accumulation)
+        self.steps_per_epoch = self.sampler.steps
 
     def train_batches(self, epoch, start_step=0, augment=True):  # random tensors: nothing to augment
-        for step in range(start_step, self.steps_per_epoch):
-            first = step * self.global_batch + self.rank * self.batch_size
-            self.last_positions = range(first, first + self.batch_size)
-            indices = torch.arange(first, first + self.batch_size) + epoch * self.train_images
+        sampler = self.sampler
+        for batch in range(start_step * sampler.accumulation, sampler.steps * sampler.accumulation):
+            self.last_positions = sampler.positions(batch)
+            indices = torch.arange(self.last_positions.start, self.last_positions.stop) + epoch * self.train_images
             yield self.banks[self.train_size].batch(indices, self.cfg.seed, self.num_classes)
 
     def val_batches(self):

@@ -290,9 +290,11 @@ def test_a_per_gpu_batch_must_fit_in_gpu_memory(capsys):
     assert rows[0]["per_gpu_batch"] == 1724
     code, _, err = run_cli(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "1", "--per-gpu-batch", "1725")
     assert code == 2 and "1,725" in err and "at most 1,724" in err
-    # the preset's global batch of 3,264 on 1 GPU does not fit; on 64 (51 each) it does
+    # the preset's global batch of 3,264 on 1 GPU does not fit at once: two batches of 1,632 a step do;
+    # on 64 (51 each) it fits
     rows, err = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "1,64")
-    assert [r["gpus"] for r in rows] == [64] and "1 GPUs: per-GPU batch 3,264 does not fit" in err
+    assert [(r["gpus"], r["per_gpu_batch"], r["accumulation_steps"]) for r in rows] == [(1, 1632, 2), (64, 51, 1)]
+    assert err == ""
     # every calibration point fits: V100-16GB at 256 ((16e9 - 2e9 - 0.41e9) / 45e6 = 302)
     rows, _ = plan_json(capsys, "--preset", "mlperf-bs3264", "--gpu", "v100", "--gpus", "1", "--per-gpu-batch", "256")
     assert rows[0]["img_per_s_per_gpu"] == pytest.approx(1200)
@@ -451,3 +453,88 @@ def test_the_plans_work_is_its_training_and_evaluations_with_blurpools_blurs():
     assert work(blurred) > work(plain)
     # the calibration points time the plain model: the blurs' time is not guessed
     assert blurred["time_to_train_s"] == plain["time_to_train_s"]
+
+
+# Gradient accumulation: a global batch whose share of a GPU does not fit in its memory is planned as
+# N batches a step, N the fewest that split the share into whole batches that fit (docs/planner.md).
+V100_FITS = 302  # (16e9 - 2e9 reserve - 16 x 25,557,032 of model state) / 45e6 per 224 px image
+
+
+def fewest_accumulation_steps(global_batch, gpus, fits):
+    """The trainer's rule, written out: the smallest N that makes global / (gpus x N) a whole batch
+    of at most `fits` images."""
+    share = global_batch // gpus
+    return next(n for n in range(1, share + 1) if share % n == 0 and share // n <= fits)
+
+
+def test_akiba_32k_on_8_and_64_v100s_is_planned_with_accumulation(capsys):
+    # A V100 holds 302 images (test_a_per_gpu_batch_must_fit_in_gpu_memory). 32,768 on 8 GPUs is
+    # 4,096 a GPU = 2^12: 2,048, 1,024 and 512 are too many, 256 fits: N = 16. On 64: 512, N = 2.
+    rows, err = plan_json(capsys, "--preset", "akiba2017-32k", "--gpu", "v100", "--gpus", "8,64")
+    assert err == ""  # neither skipped
+    planned = {r["gpus"]: r for r in rows}
+    for gpus, steps in ((8, 16), (64, 2)):
+        row = planned[gpus]
+        assert fewest_accumulation_steps(32768, gpus, V100_FITS) == steps
+        assert (row["per_gpu_batch"], row["accumulation_steps"]) == (256, steps)
+        assert row["per_gpu_batch"] * row["accumulation_steps"] * gpus == row["global_batch"] == 32768
+        keys = list(row)  # the batch of one pass, N beside it
+        assert keys.index("accumulation_steps") == keys.index("per_gpu_batch") + 1
+        # against the same GPUs at 256 a GPU and one batch a step: N batches' compute, the same exposed
+        # all-reduce (behind the last backward) and one optimizer update
+        (fitting,), _ = plan_json(capsys, "--preset", "akiba2017-32k", "--gpu", "v100", "--gpus", str(gpus),
+                                  "--per-gpu-batch", "256")
+        assert fitting["accumulation_steps"] == 1
+        assert row["compute_s"] == pytest.approx(steps * fitting["compute_s"])
+        assert row["comm_s"] == pytest.approx(fitting["comm_s"]) and row["comm_s"] > 0
+        assert row["optimizer_s"] == pytest.approx(fitting["optimizer_s"])
+        assert (row["step_s"] - row["agreement_s"]) - (fitting["step_s"] - fitting["agreement_s"]) == pytest.approx(
+            (steps - 1) * fitting["compute_s"])
+        assert row["step_s"] > fitting["step_s"] and not row["peak_bound"]
+        assert row["img_per_s"] == pytest.approx(32768 / row["step_s"])
+    code, out, _ = run_cli(capsys, "--preset", "akiba2017-32k", "--gpu", "v100", "--gpus", "8,64")
+    header, *lines = [line.split() for line in out.splitlines()[3:6]]
+    assert code == 0 and header[:5] == ["GPUs", "nodes", "batch/GPU", "accum", "global"]
+    assert [line[:5] for line in lines] == [["8", "1", "256", "16", "32,768"], ["64", "8", "256", "2", "32,768"]]
+
+
+def test_a_batch_schedule_keeps_n_where_the_batch_can_follow_and_grows_it_where_not(capsys):
+    # mikami2018 on 8 V100s: 34,816 / 8 = 4,352 = 2^8 x 17 a GPU: N = 16 (272; 8 gives 544). After
+    # epoch 30, 69,632 / 8 = 8,704 at N = 16 is 544, too many: N grows to 32 (17 leaves 512), 272.
+    rows, _ = plan_json(capsys, "--preset", "mikami2018", "--gpu", "v100", "--gpus", "8,64")
+    phases = {r["gpus"]: [(p["epochs"], p["per_gpu_batch"], p["accumulation_steps"], p["global_batch"])
+                          for p in r["phases"]] for r in rows}
+    assert phases[8] == [(30, 272, 16, 34816), (58, 272, 32, 69632)]
+    assert phases[64] == [(30, 272, 2, 34816), (58, 272, 4, 69632)]  # 544 a GPU: N = 2; then 1,088: N = 4
+    code, out, _ = run_cli(capsys, "--preset", "mikami2018", "--gpu", "v100", "--gpus", "8")
+    assert "8 GPUs: then 58 epochs at 272/GPU x 32 accumulated (global 69,632)" in out
+    # a phase whose batch would fit at fewer steps keeps N and lets the batch follow: on 8 A100s (1,724
+    # fit) 34,816 is 4,352 a GPU, N = 4 (1,088; 2 leaves 2,176); then 8,192 is 1,024 a GPU: 256 x 4, not 1,024 x 1
+    import dataclasses
+    from train.plan.cli import parser, setup_of
+    setup = setup_of(parser().parse_args(["--preset", "mikami2018", "--gpu", "a100", "--gpus", "8"]))
+    row = model.plan(dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, batch_schedule="30:8192")), 8)
+    assert [(p["per_gpu_batch"], p["accumulation_steps"]) for p in row["phases"]] == [(1088, 4), (256, 4)]
+
+
+def test_a_count_no_accumulation_can_carry_is_still_skipped():
+    # 4,096 px crops: 45.2e6 x (4096 / 224)^2 = 15.1e9 bytes an image, more than a V100's 13.6e9 free
+    import dataclasses
+    from train.plan.cli import parser, setup_of
+    setup = setup_of(parser().parse_args(["--preset", "akiba2017-32k", "--gpu", "v100", "--gpus", "8"]))
+    with pytest.raises(model.Skip, match=r"per-GPU batch 1 does not fit in the v100's 16 GB \(at most 0 images of "
+                                         r"4096 px; docs/planner.md\): no accumulation carries global batch 32,768"):
+        model.plan(dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, image_size=4096)), 8)
+
+
+def test_only_the_last_batchs_backward_hides_the_all_reduce():
+    # 2 V100s on a 150 Mbit/s link (CUSTOM above): the all-reduce takes seconds, a batch of 16 tens of
+    # milliseconds, so what hides it is backward (2/3 of one batch's compute), not 0.75 of it; with 4
+    # batches a step it is still one batch's backward, the first three having sent nothing
+    from train.plan.cli import parser, setup_of
+    setup = setup_of(parser().parse_args(["--gpus", "2", *CUSTOM]))
+    one, four = model.step_terms(setup, 2, 16), model.step_terms(setup, 2, 16, 224, 4)
+    assert four["compute_s"] == pytest.approx(4 * one["compute_s"])
+    assert four["comm_total_s"] == one["comm_total_s"] == pytest.approx(ring_allreduce_s(2), rel=1e-12)
+    assert four["comm_s"] == pytest.approx(four["comm_total_s"] - 2 / 3 * four["compute_s"] / 4)
+    assert four["global_batch"] == 2 * 16 * 4 and four["accumulation_steps"] == 4

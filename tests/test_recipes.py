@@ -35,7 +35,7 @@ def test_show_recipe_prints_one_json_object_and_trains_nothing(tmp_path):
     assert result.returncode == 0, result.stderr
     shown = json.loads(result.stdout)
     assert shown["config"]["global_batch_size"] == 8192 and len(shown["epochs"]) == 90
-    assert set(shown["epochs"][0]) == {"epoch", "global_batch", "lr_first", "lr_last", "image_size", "augment"}
+    assert set(shown["epochs"][0]) == {"epoch", "global_batch", "accumulation_steps", "lr_first", "lr_last", "image_size", "augment"}
     assert list(tmp_path.iterdir()) == []  # no run directory
 
 

@@ -11,7 +11,8 @@ from data.embedded import ensure_embedded
 from train.cli import parse
 from train.config import Config
 from train.errors import UsageError
-from train.rules import batch_sizes, lr_and_warmup, rule_lr_and_warmup
+from train.batches import batch_sizes
+from train.rules import lr_and_warmup, rule_lr_and_warmup
 
 
 def preset(tmp_path, **settings):
@@ -24,24 +25,25 @@ def preset(tmp_path, **settings):
 def test_a_per_rank_batch_flag_wins_over_the_presets_global_batch():
     cfg = parse(["--batch-size", "4"])  # the default `smoke` preset sets global_batch_size 64
     assert (cfg.batch_size, cfg.global_batch_size) == (4, 0)
-    assert batch_sizes(cfg.batch_size, cfg.global_batch_size, 2) == (4, 8)
+    assert batch_sizes(cfg.batch_size, cfg.global_batch_size, 2) == (4, 8, 1)
 
 
 def test_a_global_batch_flag_wins_over_the_presets_per_rank_batch(tmp_path):
     cfg = parse([*preset(tmp_path, batch_size=32), "--global-batch-size", "96"])
-    assert batch_sizes(cfg.batch_size, cfg.global_batch_size, 4) == (24, 96)
-    assert batch_sizes(*(parse(preset(tmp_path, batch_size=32)).batch_size, 0), 4) == (32, 128)
+    assert batch_sizes(cfg.batch_size, cfg.global_batch_size, 4) == (24, 96, 1)
+    assert batch_sizes(*(parse(preset(tmp_path, batch_size=32)).batch_size, 0), 4) == (32, 128, 1)
 
 
 def test_two_batch_flags_must_agree_for_the_rank_count():
     cfg = parse(["--batch-size", "32", "--global-batch-size", "64"])
-    assert batch_sizes(cfg.batch_size, cfg.global_batch_size, 2) == (32, 64)
-    with pytest.raises(UsageError, match="--batch-size 32 x 3 rank.* = 96 disagrees with --global-batch-size 64"):
+    assert batch_sizes(cfg.batch_size, cfg.global_batch_size, 2) == (32, 64, 1)
+    assert batch_sizes(cfg.batch_size, cfg.global_batch_size, 1) == (32, 64, 2)  # two batches accumulated per step
+    with pytest.raises(UsageError, match="--global-batch-size 64 is not a whole number of 3 rank.* x --batch-size 32"):
         batch_sizes(cfg.batch_size, cfg.global_batch_size, 3)
 
 
 def test_neither_batch_set_means_256_per_rank_and_a_global_batch_must_divide():
-    assert batch_sizes(0, 0, 3) == (256, 768)
+    assert batch_sizes(0, 0, 3) == (256, 768, 1)
     with pytest.raises(UsageError, match="does not divide over 3 ranks"):
         batch_sizes(0, 64, 3)
 
@@ -81,7 +83,8 @@ def test_flags_on_resume_win_over_the_saved_runs_partner(tmp_path):
     cfg = parse(["--resume", "--out-dir", str(run), "--batch-size", "16", "--lr", "1.5"])
     assert (cfg.batch_size, cfg.global_batch_size, cfg.lr, cfg.lr_per_256) == (16, 0, 1.5, 0)
     saved = parse(["--resume", "--out-dir", str(run)])
-    assert (saved.batch_size, saved.global_batch_size, saved.lr, saved.lr_per_256) == (32, 64, 2.0, 8.0)
+    # (the saved per-rank batch is kept where the rank count allows: start-up decides)
+    assert (saved.saved_batch, saved.global_batch_size, saved.lr, saved.lr_per_256) == ((32, 1), 64, 2.0, 8.0)
 
 
 # --- the rule: peak LR and warmup from the global batch -------------------------------------------

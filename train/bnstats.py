@@ -101,3 +101,43 @@ def _batch_moments(x: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
 def _total(vectors: list[torch.Tensor], layer, device) -> torch.Tensor:
     """The sum of per-channel fp64 vectors (zeros for a rank that kept no batch)."""
     return torch.stack(vectors).sum(0) if vectors else torch.zeros(layer.num_features, dtype=torch.float64, device=device)
+
+
+class StepStatistics:
+    """--accumulation-steps N > 1: BatchNorm's running statistics move once per optimizer step, by the
+    mean of the statistics of its N batches, as they would on N ranks of one batch each once averaged
+    over the ranks (share_bn_statistics). Each pass starts from the statistics the step started from
+    (and the batch count), and what each pass would have made of them is added up: the mean of those,
+    (1 - m) x start + m x the mean of the batches' statistics, is the step's result. On the device, no
+    host read; nothing is done for N = 1."""
+
+    def __init__(self, model):
+        modules = _batchnorms(model)
+        self.buffers = [b for m in modules for b in (m.running_mean, m.running_var)]
+        self.counts = [m.num_batches_tracked for m in modules if m.num_batches_tracked is not None]
+        self.start = self.sums = None
+
+    def before_pass(self, index: int) -> None:
+        """Before pass `index` (0-based) of a step: the step's statistics kept (first pass), or the last
+        pass's added up and the step's put back (later passes)."""
+        if not self.buffers:
+            return
+        if index == 0:
+            self.start = [b.clone() for b in self.buffers + self.counts]
+            self.sums = None
+            return
+        if self.sums is None:
+            self.sums = [b.clone() for b in self.buffers]
+        else:
+            torch._foreach_add_(self.sums, self.buffers)
+        torch._foreach_copy_(self.buffers + self.counts, self.start)
+
+    def after_step(self, passes: int) -> None:
+        """After the step's last pass: the mean over its passes, and the batch count one more than at the start."""
+        if not self.buffers or self.sums is None:
+            return
+        torch._foreach_add_(self.sums, self.buffers)
+        torch._foreach_div_(self.sums, passes)
+        torch._foreach_copy_(self.buffers, self.sums)
+        for count, start in zip(self.counts, self.start[len(self.buffers):]):
+            count.copy_(start + 1)

@@ -132,7 +132,11 @@ def _shown(default) -> str:
 # Settings derived from one another: a flag on the command line wins over its partner's value from
 # the preset or the saved run (a per-rank --batch-size over a preset's global batch, and so on).
 # Two flags of a pair given together must agree (checked once the rank count is known).
-PARTNERS = {"batch_size": "global_batch_size", "global_batch_size": "batch_size", "lr": "lr_per_256", "lr_per_256": "lr"}
+# (the global batch is ranks x batch x accumulation steps: a global batch given alone leaves the other two to
+# start-up, a batch given alone the global batch)
+PARTNERS = {"batch_size": ("global_batch_size",), "global_batch_size": ("batch_size", "accumulation_steps"),
+            "lr": ("lr_per_256",), "lr_per_256": ("lr",)}
+BATCH_FLAGS = ("batch_size", "global_batch_size", "accumulation_steps")
 
 
 def parse(argv: list[str]) -> Config:
@@ -169,15 +173,22 @@ def parse(argv: list[str]) -> Config:
         values["preset_lr_batch"] = preset_values.get("global_batch_size", 0)
     if flags.get("batch_size", 1) <= 0:
         raise UsageError(f"--batch-size must be positive, got {flags['batch_size']}")
-    for name, partner in PARTNERS.items():
-        if name in flags and partner not in flags:
-            values[partner] = FIELDS[partner].default
-    if values.get("restarted") and "global_batch_size" not in flags:
-        # the global batch defines the run: a restart on another rank count (an elastic launcher's) keeps it,
-        # whatever per-rank batch the command names; the per-rank batch follows from the rank count
-        saved = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config").get("global_batch_size")
-        if saved:
-            values.update(batch_size=0, global_batch_size=saved, command_batch_size=flags.pop("batch_size", 0))
+    for name, partners in PARTNERS.items():
+        for partner in partners if name in flags else ():
+            if partner not in flags:
+                values[partner] = FIELDS[partner].default
+    restart = values.get("restarted") and "global_batch_size" not in flags
+    if restart or (from_saved and not flags.get("test_only") and not set(BATCH_FLAGS) & set(flags)):
+        # the global batch defines the run: started again on another rank count (an elastic launcher's restart,
+        # a requeue on a smaller allocation), it keeps it, and keeps its per-rank batch where the rank count
+        # divides, by accumulating more or fewer steps (startup.split_batch); a restart's own --batch-size and
+        # --accumulation-steps are not taken
+        saved = values if from_saved else load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config")
+        if saved.get("global_batch_size"):
+            kept = (saved.get("batch_size") or saved["global_batch_size"], saved.get("accumulation_steps") or 1)
+            command = (flags.pop("batch_size", 0), flags.pop("accumulation_steps", 0)) if restart else ()
+            values.update(batch_size=0, global_batch_size=saved["global_batch_size"], accumulation_steps=0,
+                          saved_batch=kept, command_batch=command)
     leave_out_sizes(values, flags, out_dir, "the run's saved config" if from_saved else f"preset {preset}")
     values.update(flags, flags_given=given)
     if values.get("resolution_schedule", "").strip().lower() in NO_RAMP:
@@ -205,6 +216,7 @@ BOUNDS = {
     "synthetic_images": AT_LEAST_1, "synthetic_val_images": ZERO_OR_MORE, "synthetic_classes": AT_LEAST_1,
     "num_classes": ZERO_OR_MORE, "bn_group_size": ZERO_OR_MORE, "bn_recompute_batches": ZERO_OR_MORE,
     "batch_size": (lambda v: v >= 0, "positive"), "global_batch_size": (lambda v: v >= 0, "positive"),
+    "accumulation_steps": ZERO_OR_MORE,
     "epochs": (lambda v: v >= 1, "positive"), "lr": ZERO_OR_MORE, "lr_per_256": ZERO_OR_MORE,
     "warmup_epochs": (lambda v: v >= 0 or v == -1, "0 or more (-1: chosen from the global batch)"),
     "end_lr": ZERO_OR_MORE, "lr_decay_power": ZERO_OR_MORE, "warmup_start_lr": ZERO_OR_MORE,

@@ -12,12 +12,13 @@ sizes, and a shape the count did not foresee past the limit runs eagerly (torch 
 of compiling again.
 """
 import torch
+from train.batches import epoch_split
 
 
 def run_shapes(cfg, schedule, world_size: int) -> int:
     """How many input shapes the model meets in a run of these settings and schedule (the module
     docstring lists them)."""
-    training = {(schedule.image_size(epoch), schedule.global_batch(epoch) // world_size) for epoch in range(cfg.epochs)}
+    training = {(schedule.image_size(epoch), epoch_split(cfg, epoch)[1]) for epoch in range(cfg.epochs)}
     return len(training) + bool(cfg.eval_every) + bool(cfg.bn_recompute_batches)
 
 

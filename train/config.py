@@ -62,7 +62,8 @@ class Config:
     optimizer: str = setting("lars", "the update rule: LARS with MLPerf's semantics (docs/lars.md), momentum SGD, or RMSprop handing over to SGD (docs/seed_systems.md)", OPTIMIZER, defines_run=True, choices=("lars", "sgd", "rmsprop-warmup"))
     lr_schedule: str = setting("warmup-poly", "how the LR moves after the linear warmup: polynomial decay to --end-lr (MLPerf's), steps at --lr-decay-epochs, --lr-phases, or a cosine or a straight line down to 0 at the last step", OPTIMIZER, defines_run=True, choices=("warmup-poly", "cosine", "linear", "multistep", "phases"))
     batch_size: int = setting(0, "images per rank per step (0: --global-batch-size / ranks; when neither is set, on a GPU the largest multiple of 16 up to 512 whose step fits its memory, 256 on a CPU)", OPTIMIZER)
-    global_batch_size: int = setting(0, "images per step over all ranks (0: --batch-size x ranks)", OPTIMIZER, defines_run=True)
+    global_batch_size: int = setting(0, "images per optimizer step over all ranks: ranks x --batch-size x --accumulation-steps (0: --batch-size x ranks)", OPTIMIZER, defines_run=True)
+    accumulation_steps: int = setting(0, "gradient accumulation: each optimizer step adds up the gradients of N batches of --batch-size per rank, then one all-reduce and one update (0: 1, or where a --global-batch-size alone is more than the ranks hold at once, the fewest that fit; docs/accumulation.md)", OPTIMIZER)
     batch_schedule: str = setting("", "batch-size control: 'E:B,...' = global batch B after E epochs (e.g. '30:69632'); per-rank batch and LR follow", OPTIMIZER, defines_run=True)
     epochs: int = setting(90, "length of the run and of the LR schedule", OPTIMIZER)
     lr: float = setting(0.0, "peak learning rate for the global batch (0: chosen from the global batch, see docs/learning_rate.md)", OPTIMIZER, defines_run=True)
@@ -116,7 +117,8 @@ class Config:
     commit_every: int = setting(50, "Horovod Elastic: commit the state to host memory every N steps (and at epoch ends); a lost worker costs the steps since", DISTRIBUTED)
     resume: bool = setting(False, "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)", CHECKPOINTS)
     init_from: str = setting("", "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)", CHECKPOINTS, defines_run=True, metavar="PATH")
-    command_batch_size: int = field(default=0, metadata={"internal": True})  # set by parse: a restart's --batch-size, not taken
+    command_batch: tuple = field(default=(), metadata={"internal": True})  # set by parse: a restart's --batch-size and --accumulation-steps (0: not given), not taken
+    saved_batch: tuple = field(default=(), metadata={"internal": True})  # set by parse: a continued run's (per-rank batch, accumulation steps), kept where the rank count allows
     restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
     left_out: str = field(default="", metadata={"internal": True})  # set by parse: what an explicit --image-size left out, and whose ("--resolution-schedule R of preset P")
     flags_given: tuple = field(default=(), metadata={"internal": True})  # set by parse: the settings named on the command line
@@ -139,6 +141,7 @@ class Run(Config):
     by train/startup.py (resolved()); whatever holds a Run holds resolved settings, written to
     config.yaml as they are (but for the fields below, which no flag sets)."""
     bn_ghost_group: int = 0  # --bn-group-size where it splits some phase's per-rank batch, else 0 (plain BN)
+    largest_batch: int = 0  # the largest per-rank batch a --batch-schedule phase may take before it accumulates more steps
 
 
 FIELDS = {f.name: f for f in fields(Config) if not f.metadata.get("internal")}

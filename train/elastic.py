@@ -19,6 +19,7 @@ from horovod.common.elastic import State
 from train import runlock
 from train.errors import UsageError, raised_everywhere
 from train.host_memory import host_copy, replace_tensors
+from train.batches import epoch_split
 
 
 class TrainingState(State):
@@ -84,8 +85,8 @@ def rejoin(training) -> None:
             setup.lock.hand_over()
         setup.lock = runlock.RunLock.acquire(training.out_dir, elastic=True) if engine.rank == 0 else None
         training.reopen_log()
-    global_batch = training.schedule.global_batch(training.state.epoch)
-    training.log.workers(training.state.step, engine.world_size, global_batch // engine.world_size)
+    _, per_rank, steps = epoch_split(setup.cfg, training.state.epoch)
+    training.log.workers(training.state.step, engine.world_size, per_rank, steps)
 
 
 def run_epochs(training, stop_signal) -> None:

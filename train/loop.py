@@ -15,6 +15,7 @@ calls at named points. The step's parts are named ranges of a torch.profiler tra
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from torch.profiler import record_function
 
 from models import build_model
 from train import checkpoint
-from train.bnstats import RecentBatches, recompute_bn_statistics, share_bn_statistics
+from train.bnstats import RecentBatches, StepStatistics, recompute_bn_statistics, share_bn_statistics
 from train.compiled import compile_in_place, run_shapes
 from train.config import Config
 from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
@@ -35,6 +36,7 @@ from train.hooks import HookList, LoopHooks
 from train.host_memory import reserve
 from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
+from train.batches import epoch_split
 from train.runlog import RunLog, count, progress, run_header
 from train.saving import Checkpointing
 from train.schedule import EpochClock, EvalPlan, build_schedule, resolution_ramp
@@ -137,12 +139,13 @@ class Training(Checkpointing):
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
             self._resume()
         self.lr = self.schedule.lr(max(self.state.step, 1))
-        self.loader_batch = cfg.batch_size  # the loader's per-rank batch as built
+        self.loader_batch = (cfg.batch_size, cfg.accumulation_steps)  # the loader's per-rank batch and batches per step as built
+        self.step_statistics = StepStatistics(engine.unwrap(self.model))  # (--accumulation-steps: BN's, once a step)
 
     def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
         header, device_name, layout = run_header(self.setup, cfg, self.precision, self.out_dir)
-        self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}",
+        self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}", ranks=engine.world_size,
                        train_images=loader.train_images, val_images=loader.val_images,
                        precision=self.precision.name, schedule=self.schedule)
         for line in self.setup.warnings:
@@ -159,11 +162,6 @@ class Training(Checkpointing):
         self.started = self.last_checkpoint = time.time()
         self.first_step = s.step  # where this segment of the run starts (0, or a resume's step)
         s.stop = s.step >= cfg.max_steps > 0
-        kept = cfg.global_batch_size // engine.world_size
-        if cfg.command_batch_size and cfg.command_batch_size != kept:
-            self.log.warning(f"--batch-size {cfg.command_batch_size} not taken: {self.out_dir} holds a run of global batch "
-                             f"{cfg.global_batch_size}, kept on {engine.world_size} rank(s) as {kept} per rank; change it "
-                             "with --resume --global-batch-size")
         self.hooks.run_started(self)
 
     @contextlib.contextmanager
@@ -194,8 +192,9 @@ class Training(Checkpointing):
         self.log.epoch_start(s.epoch + 1, fresh=s.step_in_epoch == 0)
         self.model.train()
         self.window, self.epoch_meter = LossMeter(self.engine.device), LossMeter(self.engine.device)
-        for images, labels in self._epoch_batches():
-            loss = self.train_step(images, labels)
+        batches = self._epoch_batches()
+        for first in batches:  # each step's first batch; the step takes the rest of its batches from the same iterator
+            loss = self.train_step(itertools.chain([first], itertools.islice(batches, self.loader_batch[1] - 1)))
             self.hooks.step_done(s.step, loss)
             self.window.add(loss)
             self.epoch_meter.add(loss)
@@ -278,29 +277,45 @@ class Training(Checkpointing):
             before = f" ({self.last_crop} px before the resume)" if changed else ""
             self.log.print(f"epoch {s.epoch + 1}: training crops of {size} px{before}")
         self.last_crop, self.resumed = size, False
-        global_batch = self.schedule.global_batch(s.epoch)
-        per_rank = global_batch // self.engine.world_size
-        if per_rank != self.loader_batch:  # (a resumed run in a later phase changes without a log line)
-            self.loader.set_batch_size(per_rank)
-            self.loader_batch = per_rank
+        global_batch, per_rank, steps = epoch_split(self.cfg, s.epoch)
+        if (per_rank, steps) != self.loader_batch:  # (a resumed run in a later phase changes without a log line)
+            self.loader.set_batch_size(per_rank, steps)
+            self.loader_batch = (per_rank, steps)
         if s.step_in_epoch == 0 and s.epoch > 0 and global_batch != self.schedule.global_batch(s.epoch - 1):
-            self.log.batch_change(s.epoch + 1, s.step, global_batch, per_rank)
+            self.log.batch_change(s.epoch + 1, s.step, global_batch, per_rank, steps)
 
-    def train_step(self, images: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        """One optimizer step. Returns the loss on the device, 0 when it was not finite (a non-finite
-        loss counts in the streak, not in the averages)."""
-        s = self.state
+    def train_step(self, batches) -> torch.Tensor:
+        """One optimizer step over `batches` (--accumulation-steps of them: each pass's gradients add up,
+        the last pass's backward averages them over the ranks, then the update). Returns the mean loss
+        of its batches on the device, 0 when it was not finite (a non-finite loss counts in the streak,
+        not in the averages)."""
+        s, passes = self.state, self.loader_batch[1]
         settings = self.schedule.step_settings(s.step + 1)
         for group in self.optimizer.param_groups:
             group.update(settings)
         self.lr = settings["lr"]
-        with self.precision.autocast(), record_function("forward"):
-            loss = self.criterion(self.model(images), labels)
-        self.engine.step(loss, self.optimizer, self.precision)
+        losses = []
+        for index, (images, labels) in enumerate(batches):
+            last = index == passes - 1
+            if passes > 1:
+                self.step_statistics.before_pass(index)
+            with contextlib.nullcontext() if last else self.engine.accumulating(self.model, self.optimizer):
+                with self.precision.autocast(), record_function("forward"):
+                    loss = self.criterion(self.model(images), labels)
+                losses.append(loss.detach())
+                if passes > 1:  # the mean over the step's batches: the global batch's mean loss, once averaged
+                    loss = loss / passes
+                if last:
+                    self.engine.step(loss, self.optimizer, self.precision)
+                else:
+                    with record_function("backward"):
+                        self.precision.backward(loss)
+        if passes > 1:
+            self.step_statistics.after_step(passes)
         self.optimizer.zero_grad()  # sets .grad to None (Horovod's wrapper takes no arguments)
         if self.ema:
             self.ema.update()
-        loss = loss.detach().float()
+        loss = (losses[0] if passes == 1 else torch.stack(losses).mean()).float()
         finite = torch.isfinite(loss)
         s.bad_steps = torch.where(finite, 0, s.bad_steps + 1)
         s.step, s.step_in_epoch = s.step + 1, s.step_in_epoch + 1
@@ -362,7 +377,7 @@ class Training(Checkpointing):
     def take_new_share(self) -> None:
         """Setup.reshare()'s settings and loader for the new rank count (the epoch sets batch and crops)."""
         self.cfg, self.loader = self.setup.cfg, self.setup.loader
-        self.loader_batch = self.cfg.batch_size
+        self.loader_batch = (self.cfg.batch_size, self.cfg.accumulation_steps)
 
     def reopen_log(self) -> None:  # (rank 0 moved: the run log is written by whoever is rank 0 now)
         self.log.close()

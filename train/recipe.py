@@ -3,7 +3,7 @@
 One JSON object: `config`, the resolved settings (batch, LR and warmup as the run would choose
 them for this launcher's rank count), `train_images` and `train_images_source` (the training-set
 size the epochs are counted over, and where it comes from), and `epochs`, one entry per epoch:
-`epoch` (from 1), `global_batch`, `lr_first` and `lr_last` (the LR of the epoch's first and last
+`epoch` (from 1), `global_batch`, `accumulation_steps` (its batches per optimizer step), `lr_first` and `lr_last` (the LR of the epoch's first and last
 optimizer step), `image_size` (its training crop size), `augment`, and for a blended optimizer `sgd_share` (its momentum-SGD share at the
 epoch's first step). The settings pass the checks a run's start-up makes of them; those of the
 machine (device, rank count against --bn-span, the run directory) are left to the run.
@@ -17,7 +17,8 @@ from data.tree import check_tree
 from train.config import Config, to_dict
 from train.errors import UsageError
 from train.engines import detect_launch
-from train.rules import batch_sizes, lr_and_warmup
+from train.batches import batch_sizes, epoch_split
+from train.rules import DEFAULT_PER_RANK_BATCH, lr_and_warmup
 from train.schedule import EpochClock, batch_phases, build_schedule
 from train.startup import check_batch_phases, resolved
 
@@ -41,10 +42,12 @@ def training_set(cfg: Config) -> tuple[int, str]:
 
 def recipe(cfg: Config) -> dict:
     world_size = detect_launch().world_size
-    batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, world_size)
+    # (a GPU's batch comes from its memory model at run time; here a CPU's: DEFAULT_PER_RANK_BATCH)
+    batch_size, global_batch, steps = batch_sizes(cfg.batch_size, cfg.global_batch_size, world_size,
+                                                  accumulation_steps=cfg.accumulation_steps)
     lr, warmup, _ = lr_and_warmup(cfg, global_batch)
-    cfg = resolved(cfg, batch_size=batch_size, global_batch_size=global_batch, lr=lr, warmup_epochs=warmup,
-                   show_recipe=False)
+    cfg = resolved(cfg, batch_size=batch_size, global_batch_size=global_batch, accumulation_steps=steps, lr=lr,
+                   warmup_epochs=warmup, show_recipe=False, largest_batch=max(batch_size, DEFAULT_PER_RANK_BATCH))
     train_images, source = training_set(cfg)
     check_batch_phases(cfg, world_size, train_images)
     try:
@@ -55,7 +58,8 @@ def recipe(cfg: Config) -> dict:
     epochs = []
     for epoch in range(cfg.epochs):
         first, last = clock.first_step(epoch) + 1, clock.first_step(epoch + 1)
-        entry = {"epoch": epoch + 1, "global_batch": clock.global_batch(epoch), "lr_first": schedule.lr(first),
+        entry = {"epoch": epoch + 1, "global_batch": clock.global_batch(epoch),
+                 "accumulation_steps": epoch_split(cfg, epoch)[2], "lr_first": schedule.lr(first),
                  "lr_last": schedule.lr(last), "image_size": schedule.image_size(epoch),
                  "augment": schedule.augment(epoch)}
         settings = schedule.step_settings(first)

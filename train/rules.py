@@ -24,24 +24,6 @@ LINEAR_SCALING = ("sgd", "rmsprop-warmup")  # optimizers whose LR follows 0.1 x 
 SMOKE_POINT = (64, 4.0, 2)  # the tested small-batch LARS recipe: batch, peak LR, warmup epochs
 
 
-def batch_sizes(batch_size: int, global_batch_size: int, world_size: int,
-                default: int = DEFAULT_PER_RANK_BATCH) -> tuple[int, int]:
-    """(per-rank batch, global batch) from the two settings (0 = not set) and the rank count; `default`
-    per rank when neither is set."""
-    if batch_size and global_batch_size:
-        if batch_size * world_size != global_batch_size:
-            raise UsageError(f"--batch-size {batch_size} x {world_size} rank(s) = {batch_size * world_size} disagrees "
-                             f"with --global-batch-size {global_batch_size}; give one of them")
-        return batch_size, global_batch_size
-    if global_batch_size:
-        if global_batch_size % world_size:
-            raise UsageError(f"--global-batch-size {global_batch_size} does not divide over {world_size} ranks; "
-                             "choose a multiple of the rank count")
-        return global_batch_size // world_size, global_batch_size
-    per_rank = batch_size or default
-    return per_rank, per_rank * world_size
-
-
 def interpolate(points: dict, batch: int, column: int) -> float:
     batches = sorted(points)
     if batch <= batches[0]:
@@ -92,3 +74,4 @@ def lr_and_warmup(cfg, global_batch: int) -> tuple[float, float, str]:
                      f"{'as long as' if cfg.warmup_epochs == cfg.epochs else 'longer than'} the {cfg.epochs}-epoch "
                      "run leaves no decay")
     return lr, warmup, "; ".join(notes)
+

@@ -28,6 +28,7 @@ class RunLog:
         self.enabled, self.cfg, self.eval_plan = out_dir is not None, cfg, eval_plan
         self.mllog, self.tensorboard, self.out_dir = None, None, out_dir
         self._started, self._offset, self._previous = time.time(), 0.0, {}
+        self.accumulation_steps = max(cfg.accumulation_steps, 1)  # as MLLOG said last
         if not self.enabled:
             return
         logger = logging.getLogger(f"trainer.mllog.{id(self)}")
@@ -49,28 +50,46 @@ class RunLog:
         if self.enabled and self.cfg.tensorboard and self.tensorboard is None:
             self.tensorboard = TensorBoard(self.out_dir / "tensorboard", resumed_step)
 
-    def workers(self, step: int, ranks: int, per_rank: int) -> None:
+    def workers(self, step: int, ranks: int, per_rank: int, steps: int = 1) -> None:
         """Horovod Elastic changed the workers; the run goes on from its commit at `step`."""
-        self.metrics(kind="workers", step=step, ranks=ranks, batch_size=per_rank, seconds=self.seconds())
-        self.print(f"workers changed: {ranks} rank(s) x batch {per_rank}, from the commit at step {step}")
+        self.metrics(kind="workers", step=step, ranks=ranks, batch_size=per_rank, accumulation_steps=steps,
+                     seconds=self.seconds())
+        self.print(f"workers changed: {ranks} rank(s) x batch {per_rank}{accumulated(steps)}, from the commit at step {step}")
 
     # what happened -------------------------------------------------------------------------------
-    def setup(self, init_start_ms: int, header: str, *, platform: str, train_images: int, val_images: int,
+    def setup(self, init_start_ms: int, header: str, *, platform: str, ranks: int, train_images: int, val_images: int,
               precision: str, schedule) -> None:
-        """The run's settings: MLLOG's init_start (taken before any set-up work) and keys, the header line."""
+        """The run's settings: MLLOG's init_start (taken before any set-up work) and keys, the header line,
+        and what a continued run kept of its batch (batch_kept)."""
         cfg = self.cfg
         self._start(K.INIT_START, time_ms=init_start_ms)
         for key, value in [
             (K.SUBMISSION_BENCHMARK, K.RESNET), (K.SUBMISSION_DIVISION, cfg.division),
             (K.SUBMISSION_ORG, cfg.submission_org), (K.SUBMISSION_STATUS, "research"),
             (K.SUBMISSION_PLATFORM, cfg.submission_platform or platform), (K.CACHE_CLEAR, True), (K.SEED, cfg.seed),
-            (K.GLOBAL_BATCH_SIZE, cfg.global_batch_size), (K.GRADIENT_ACCUMULATION_STEPS, 1),
+            (K.GLOBAL_BATCH_SIZE, cfg.global_batch_size), (K.GRADIENT_ACCUMULATION_STEPS, max(cfg.accumulation_steps, 1)),
             (K.TRAIN_SAMPLES, train_images), (K.EVAL_SAMPLES, val_images),
             (K.MODEL_BN_SPAN, min(cfg.bn_group_size or cfg.batch_size, cfg.batch_size) * cfg.bn_span), (K.OPT_NAME, cfg.optimizer),
             *_optimizer_keys(cfg, schedule), ("label_smoothing", cfg.label_smoothing), ("precision", precision),
         ]:
             self._event(key, value)
         self.print(header)
+        self.batch_kept(ranks)
+
+    def batch_kept(self, ranks: int) -> None:
+        """A continued run's batch on this rank count: its per-rank batch kept with other accumulation steps
+        (a line), and a restart's --batch-size or --accumulation-steps that the run's own override (a warning)."""
+        cfg = self.cfg
+        split = f"{cfg.batch_size} per rank{accumulated(cfg.accumulation_steps)}"
+        if cfg.saved_batch and cfg.saved_batch[0] == cfg.batch_size and cfg.saved_batch[1] != cfg.accumulation_steps:
+            before = cfg.global_batch_size // (cfg.saved_batch[0] * cfg.saved_batch[1])
+            self.print(f"global batch {cfg.global_batch_size} kept on {ranks} rank(s) as {split} (was {before} rank(s) x "
+                       f"{cfg.saved_batch[1]} accumulated): the same run, the per-rank batch unchanged")
+        asked = [f"{flag} {value}" for flag, value, resolved in zip(("--batch-size", "--accumulation-steps"), cfg.command_batch,
+                                                                     (cfg.batch_size, cfg.accumulation_steps)) if value and value != resolved]
+        if asked:
+            self.warning(f"{' and '.join(asked)} not taken: {self.out_dir} holds a run of global batch {cfg.global_batch_size}, "
+                         f"kept on {ranks} rank(s) as {split}; change it with --resume --global-batch-size")
 
     def warning(self, line: str, **record) -> None:
         self.print(f"warning: {line}")
@@ -146,12 +165,16 @@ class RunLog:
         self.print(f"eval  {epoch:3d}/{self.cfg.epochs}  top-1 {figures['top1']:.4f}  top-5 {figures['top5']:.4f}  "
                    f"({figures['eval_images']} images, {seconds:.1f} s)")
 
-    def batch_change(self, epoch: int, step: int, global_batch: int, per_rank: int) -> None:
+    def batch_change(self, epoch: int, step: int, global_batch: int, per_rank: int, steps: int = 1) -> None:
         """Batch-size control: the global batch from this epoch on (the first epoch's is the setup's
-        global_batch_size)."""
+        global_batch_size), and the accumulation steps where they change with it."""
         self._event(K.GLOBAL_BATCH_SIZE, global_batch, epoch_num=epoch)
-        self.metrics(kind="batch", step=step, epoch=epoch, global_batch=global_batch, batch_size=per_rank)
-        self.print(f"epoch {epoch}: global batch {global_batch} ({per_rank} per rank)")
+        if steps != self.accumulation_steps:
+            self._event(K.GRADIENT_ACCUMULATION_STEPS, steps, epoch_num=epoch)
+            self.accumulation_steps = steps
+        self.metrics(kind="batch", step=step, epoch=epoch, global_batch=global_batch, batch_size=per_rank,
+                     accumulation_steps=steps)
+        self.print(f"epoch {epoch}: global batch {global_batch} ({per_rank} per rank{accumulated(steps)})")
 
     def replicas(self, step: int, ranks: int, differing: int) -> None:
         self.metrics(kind="replicas", step=step, ranks=ranks, differing_from_rank0=differing)
@@ -295,8 +318,8 @@ def run_header(setup, cfg, precision, out_dir: Path) -> tuple[str, str, dict]:
     header = " | ".join([
         f"training {model_summary(cfg)} on {setup.data_dir or 'synthetic data'}: {loader.num_classes} classes, "
         f"{loader.train_images} train / {loader.val_images} val images",
-        f"{where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch {cfg.batch_size} = global "
-        f"batch {cfg.global_batch_size}{batch_note}{schedule}",
+        f"{where if engine.world_size > 1 else ''}{engine.world_size} rank(s) x batch {cfg.batch_size}"
+        f"{accumulated(cfg.accumulation_steps)} = global batch {cfg.global_batch_size}{batch_note}{schedule}",
         f"{cfg.optimizer} lr {cfg.lr:g}, warmup {cfg.warmup_epochs:g} epochs{lr_note}, then {decay_summary(cfg)}",
         crops_summary(cfg, notes.get("crops", "")),
         f"{precision.name}{compiled}{precision.source.removeprefix(precision.name)}, "
@@ -304,6 +327,11 @@ def run_header(setup, cfg, precision, out_dir: Path) -> tuple[str, str, dict]:
         loader_summary(cfg.loader, cfg.dali_decode, cfg.workers, device),
         str(out_dir)])
     return header, device_name, layout
+
+
+def accumulated(steps: int) -> str:
+    """' x N accumulated' for gradient accumulation over N > 1 batches per step, else ''."""
+    return f" x {steps} accumulated" if steps > 1 else ""
 
 
 def model_summary(cfg) -> str:

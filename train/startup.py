@@ -23,7 +23,8 @@ from train.device_choices import choose_loader, default_batch
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision, check_crop
-from train.rules import DEFAULT_PER_RANK_BATCH, batch_sizes, lr_and_warmup
+from train.batches import batch_sizes, phase_split
+from train.rules import DEFAULT_PER_RANK_BATCH, lr_and_warmup
 from train.schedule import EpochClock, batch_changes, batch_phases, crop_note, training_crops
 
 RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
@@ -50,9 +51,14 @@ class Setup:
         """After the engine's rank count changed: every phase of --batch-schedule checked against the
         new count (the count may not change again), the per-rank batch, and a loader for this rank's
         share. A refusal leaves the old share in place."""
-        world_size = self.engine.world_size
-        check_batch_phases(self.cfg, world_size, self.loader.train_images)
-        self.cfg = dataclasses.replace(self.cfg, batch_size=self.cfg.global_batch_size // world_size)  # (resolved again)
+        cfg, world_size = self.cfg, self.engine.world_size
+        # the per-rank batch kept where the new count divides the global batch, with other accumulation steps
+        batch, _, steps, _, _ = split_batch(dataclasses.replace(cfg, saved_batch=(cfg.batch_size, cfg.accumulation_steps)),
+                                            self.engine, self.precision.name,
+                                            training_crops(cfg.image_size, cfg.resolution_schedule)[1])
+        shared = dataclasses.replace(cfg, batch_size=batch, accumulation_steps=steps)  # (resolved again)
+        check_batch_phases(shared, world_size, self.loader.train_images)
+        self.cfg = shared
         self.loader.close()  # its reader threads or processes, before the new loader starts its own
         self.loader = _build_loader(self.cfg, self.engine, self.precision, self.data_dir)
 
@@ -187,10 +193,7 @@ def checked_setup(cfg: Config, engine, out_dir: str):
     if cfg.restarted and cfg.global_batch_size % engine.world_size:
         raise UsageError(f"{cfg.out_dir} holds a run of global batch {cfg.global_batch_size}, which does not divide "
                          f"over {engine.world_size} ranks; continue it on a rank count that divides it")
-    # (the per-GPU batch whose step fits at the run's largest training crop: --resolution-schedule's end)
-    default, batch_note = (default_batch(engine.device, precision.name, largest_crop, cfg.arch)
-                           if not (cfg.batch_size or cfg.global_batch_size) else (DEFAULT_PER_RANK_BATCH, ""))
-    batch_size, global_batch = batch_sizes(cfg.batch_size, cfg.global_batch_size, engine.world_size, default)
+    batch_size, global_batch, steps, largest, batch_note = split_batch(cfg, engine, precision.name, largest_crop)
     lr, warmup, note = lr_and_warmup(cfg, global_batch)
     check_bn_span(cfg.bn_span, engine.world_size)
     data_dir = resolve_data_dir(cfg)
@@ -202,7 +205,8 @@ def checked_setup(cfg: Config, engine, out_dir: str):
     run = resolved(cfg, loader=loader_name, batch_size=batch_size, global_batch_size=global_batch, lr=lr,
                    warmup_epochs=warmup, num_classes=loader.num_classes, out_dir=out_dir,
                    eval_every=cfg.eval_every if loader.val_images else 0,  # (--synthetic-val-images 0: nothing to evaluate)
-                   bn_ghost_group=ghost_group(cfg, global_batch, engine.world_size))
+                   accumulation_steps=steps, largest_batch=largest,
+                   bn_ghost_group=ghost_group(cfg, global_batch, engine.world_size, steps, largest))
     check_batch_phases(run, engine.world_size, loader.train_images)
     init = init_weights(run) if run.init_from and not run.resume else None  # loaded into the model by the loop
     # read-only checks of the run directory the user named: rank 0's verdict reaches the others through
@@ -320,7 +324,32 @@ def _check_resume_position(cfg: Config, loader) -> None:
                          "and --batch-schedule")
 
 
-def check_batch_phases(cfg: Config, world_size: int, train_images: int) -> None:
+def split_batch(cfg: Config, engine, precision: str, largest_crop: int) -> tuple[int, int, int, int, str]:
+    """(per-rank batch, global batch, accumulation steps, the largest per-rank batch a later batch phase
+    may take, the header's note on how the batch was chosen) for this rank count. The batch that fits a
+    GPU comes from the memory model at the run's largest training crop (--resolution-schedule's end);
+    on a CPU it is 256. A continued run (cfg.saved_batch) keeps its per-rank batch where the ranks x
+    that batch divide its global batch, changing the accumulation steps; elsewhere the per-rank batch
+    follows the rank count."""
+    world_size, total, on_gpu = engine.world_size, cfg.global_batch_size, engine.device.type == "cuda"
+    # (the memory model: where the batch is chosen, or derived from the global batch)
+    fitting, note = (default_batch(engine.device, precision, largest_crop, cfg.arch) if on_gpu and not cfg.batch_size
+                     else (DEFAULT_PER_RANK_BATCH, ""))
+    if cfg.saved_batch:
+        kept, _ = cfg.saved_batch
+        if total % (world_size * kept) == 0:
+            batch, steps = kept, total // (world_size * kept)
+        else:
+            batch, total, steps = batch_sizes(0, total, world_size, max(kept, fitting))
+    else:
+        batch, total, steps = batch_sizes(cfg.batch_size, total, world_size, fitting, cfg.accumulation_steps,
+                                          fitting if on_gpu else 0)
+    chose = not (cfg.batch_size or cfg.saved_batch) and (
+        not cfg.global_batch_size or (steps > 1 and not cfg.accumulation_steps))
+    return batch, total, steps, max(batch, fitting), note if chose else ""
+
+
+def check_batch_phases(cfg: Run, world_size: int, train_images: int) -> None:
     """Every global batch of --batch-schedule divides over the ranks, fits in the training set, and
     splits into whole --bn-group-size groups."""
     for _, batch in batch_phases(cfg):
@@ -329,17 +358,18 @@ def check_batch_phases(cfg: Config, world_size: int, train_images: int) -> None:
                              "choose multiples of the rank count")
         if batch > train_images:
             raise UsageError(f"global batch {batch} is more than the {train_images} training images; lower it")
-        per_rank = batch // world_size
+        per_rank, _ = phase_split(batch, world_size, cfg.accumulation_steps or 1, cfg.largest_batch or batch)
         if cfg.bn_group_size and cfg.bn_group_size < per_rank and per_rank % cfg.bn_group_size:
             raise UsageError(f"--bn-group-size {cfg.bn_group_size} does not divide the per-rank batch {per_rank}; "
                              "choose a divisor")
 
 
-def ghost_group(cfg: Config, global_batch: int, world_size: int) -> int:
+def ghost_group(cfg: Config, global_batch: int, world_size: int, steps: int = 1, largest: int = 0) -> int:
     """--bn-group-size when it splits some phase's per-rank batch into groups, else 0: BN over the
     whole per-rank batch is then plain BatchNorm, bit for bit."""
-    largest = max([global_batch, *(batch for _, batch in batch_changes(cfg.batch_schedule))]) // world_size
-    return cfg.bn_group_size if 0 < cfg.bn_group_size < largest else 0
+    phases = [global_batch, *(batch for _, batch in batch_changes(cfg.batch_schedule))]
+    biggest = max(phase_split(batch, world_size, steps, largest or batch)[0] for batch in phases)
+    return cfg.bn_group_size if 0 < cfg.bn_group_size < biggest else 0
 
 
 def resolve_data_dir(cfg: Config) -> str:

@@ -9,6 +9,7 @@ choices (train/config.py) and a branch of each engine's wrap(); the two-level on
 torus) are routes over a grid of ranks (topology.py), run by one DDP hook and one Horovod optimizer
 wrapper (docs/allreduce.md).
 """
+import contextlib
 import os
 from typing import Protocol, runtime_checkable
 
@@ -50,6 +51,11 @@ class Engine(Protocol):
 
     def step(self, loss: torch.Tensor, optimizer, precision) -> None:
         """Backward, gradient averaging, the loss scaler's unscale-and-check, the optimizer step."""
+
+    def accumulating(self, model: torch.nn.Module, optimizer) -> "contextlib.AbstractContextManager":
+        """A context for a forward and backward pass whose gradients are added to the next ones without
+        being averaged (--accumulation-steps: every pass of an optimizer step but the last); BatchNorm's
+        span sums still run in it."""
 
     def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The model inside the engine's wrapper."""

@@ -126,6 +126,9 @@ class Horovod(Topology):
             with record_function("optimizer"), optimizer.skip_synchronize():
                 precision.step(optimizer)
 
+    def accumulating(self, model, optimizer):
+        return optimizer.accumulating()  # (the wrappers' gradient hooks issue nothing until the step's last pass)
+
     def unwrap(self, model):
         return model
 

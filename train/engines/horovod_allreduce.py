@@ -40,6 +40,7 @@ class HorovodOptimizer:
     def __init__(self, optimizer):
         self.optimizer = optimizer
         self._skip_synchronize = False
+        self._accumulating = False
 
     def __getattr__(self, name):  # param_groups, state, state_dict(), zero_grad(), ...
         return getattr(self.optimizer, name)
@@ -62,6 +63,16 @@ class HorovodOptimizer:
             for name, value in handed.items():
                 delattr(self.optimizer, name)
                 setattr(self, name, value)  # (GradScaler deletes them from the wrapper afterwards)
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward passes whose gradients add up for a later step (--accumulation-steps): the gradient
+        hooks issue nothing during them; the step's last pass issues the sums as usual."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     @contextlib.contextmanager
     def skip_synchronize(self):
@@ -97,6 +108,8 @@ class FlatHorovodOptimizer(HorovodOptimizer):
     def _gradient_ready(self, index: int) -> None:
         """The parameter's gradient is complete (its post-accumulate-grad hook, during backward): its
         all-reduce goes out. Only that, as for the two-level one (below): the same on every rank."""
+        if self._accumulating:
+            return
         if index in self._flight:
             raise RuntimeError("a gradient was computed again before optimizer.synchronize(): the all-reduce "
                                "averages one backward pass per step")
@@ -223,6 +236,8 @@ class TwoLevelHorovodOptimizer(HorovodOptimizer):
         backward must not depend on timing (say, on which steps have completed), because Horovod names
         an operation issued without a name by a per-process counter of operations (BatchNorm's span
         all-reduces in backward are such): ranks that issued different counts would wait for ever."""
+        if self._accumulating:
+            return
         if bucket.step is not None:
             raise RuntimeError("a gradient was computed again before optimizer.synchronize(): the two-level "
                                "all-reduce averages one backward pass per step")

@@ -1,5 +1,6 @@
 """One process: no launcher, nothing to exchange. Every collective of the Engine protocol is the
 identity (a sum over one rank is the value itself)."""
+import contextlib
 import socket
 
 import torch
@@ -34,6 +35,9 @@ class SingleProcess:
             precision.backward(loss)
         with record_function("optimizer"):
             precision.step(optimizer)
+
+    def accumulating(self, model, optimizer):
+        return contextlib.nullcontext()  # (nothing averaged: the gradients simply add up)
 
     def unwrap(self, model):
         return model

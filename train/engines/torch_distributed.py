@@ -15,6 +15,7 @@ from train.engines.network import collective_timeout, set_library_timeouts, watc
 from train.engines.topology import Topology
 from train.engines.wire import choose as choose_wire, into_wire, split_average
 from train.errors import UsageError
+from train.batches import accumulates
 
 
 class TorchDistributed(Topology):
@@ -99,6 +100,9 @@ class TorchDistributed(Topology):
                 precision.backward(loss)
             with record_function("optimizer"):
                 precision.step(optimizer)
+
+    def accumulating(self, model, optimizer):
+        return model.no_sync()  # (DDP: the forward pass inside it too, or the next backward all-reduces)
 
     def unwrap(self, model):
         return model.module
@@ -232,13 +236,14 @@ def ddp_options(cfg, device: torch.device, accepted) -> dict:
       unless --init-from-seed, where the ranks' own models were checked to agree instead);
     - gradients as views into DDP's buckets (no copy into them);
     - static_graph (--ddp-static-graph; auto: on GPUs): every step uses the same parameters the same
-      way, without control flow that depends on the step. Gradient accumulation, should it come, must
-      turn it off: DDP's static graph cannot be combined with no_sync, with which accumulation would
-      skip the all-reduce of the steps in between;
+      way, without control flow that depends on the step. Off wherever the run accumulates gradients
+      (--accumulation-steps above 1 in some phase): DDP's static graph cannot be combined with
+      no_sync, with which the passes before a step's last skip the all-reduce;
     - DDP's own bucket sizes: up to 1 MiB for the first bucket (the last layers' gradients, ready first,
       so the first all-reduce starts early), up to 25 MiB for the others."""
     options = {"device_ids": [device.index] if device.type == "cuda" else None, "gradient_as_bucket_view": True,
-               "static_graph": cfg.ddp_static_graph == "on" or (cfg.ddp_static_graph == "auto" and device.type == "cuda")}
+               "static_graph": (cfg.ddp_static_graph == "on" or (cfg.ddp_static_graph == "auto" and device.type == "cuda"))
+               and not accumulates(cfg)}
     options["forward_sync_buffers" if "forward_sync_buffers" in accepted else "broadcast_buffers"] = False
     if cfg.init_from_seed and "init_sync" in accepted:
         options["init_sync"] = False

@@ -30,7 +30,8 @@ def parser() -> argparse.ArgumentParser:
     what.add_argument("--gpus", metavar="COUNTS", help="GPU counts: N, a list N,M,..., or A:B (A, 2A, 4A, ... up to "
                       "B); required unless --published")
     what.add_argument("--per-gpu-batch", type=int, metavar="N", help="keep this per-GPU batch: the global batch grows "
-                      "with the GPUs, epochs from the MLPerf table (default: keep the preset's global batch)")
+                      "with the GPUs, epochs from the MLPerf table (default: keep the preset's global batch, accumulating the gradients "
+                      "of several batches a step where a GPU's share of it does not fit)")
     machine = p.add_argument_group("machine and network")
     machine.add_argument("--gpu", metavar="NAME", help=f"the GPU: one of {', '.join(GPUS)}; required unless --published")
     machine.add_argument("--gpus-per-node", type=int, metavar="N", help="GPUs in one node (default: the GPU's usual "
@@ -183,14 +184,14 @@ def header(setup: model.Setup) -> list[str]:
 
 
 def table(rows: list[dict]) -> list[str]:
-    lines = [("GPUs", "nodes", "batch/GPU", "global", "compute ms", "comm ms", "opt ms", "agree ms", "step ms", "img/s",
-              "img/s/GPU", "epochs", "eval s", "time to train", "FLOPS", "Valid FLOPS")]
+    lines = [("GPUs", "nodes", "batch/GPU", "accum", "global", "compute ms", "comm ms", "opt ms", "agree ms", "step ms",
+              "img/s", "img/s/GPU", "epochs", "eval s", "time to train", "FLOPS", "Valid FLOPS")]
     for r in rows:
-        lines.append((f"{r['gpus']}", f"{r['nodes']}", f"{r['per_gpu_batch']}" + ("+" if "phases" in r else ""),
-                      f"{r['global_batch']:,}", f"{r['compute_s'] * 1e3:.2f}", f"{r['comm_s'] * 1e3:.2f}",
-                      f"{r['optimizer_s'] * 1e3:.2f}", f"{r['agreement_s'] * 1e3:.3f}",
-                      f"{r['step_s'] * 1e3:.2f}" + ("*" if r["input_bound"] else
-                                                                                     "^" if r["peak_bound"] else ""),
+        phased = "+" if "phases" in r else ""  # the first phase's batch and N; the notes give the others
+        lines.append((f"{r['gpus']}", f"{r['nodes']}", f"{r['per_gpu_batch']}{phased}",
+                      f"{r['accumulation_steps']}{phased}", f"{r['global_batch']:,}", f"{r['compute_s'] * 1e3:.2f}",
+                      f"{r['comm_s'] * 1e3:.2f}", f"{r['optimizer_s'] * 1e3:.2f}", f"{r['agreement_s'] * 1e3:.3f}",
+                      f"{r['step_s'] * 1e3:.2f}" + ("*" if r["input_bound"] else "^" if r["peak_bound"] else ""),
                       f"{r['img_per_s']:,.0f}", f"{r['img_per_s_per_gpu']:,.0f}", f"{r['epochs']:.1f}",
                       f"{r['eval_s']:.1f}", duration(r["time_to_train_s"]), f"{r['flops']:.3e}",
                       f"{r['valid_flops']:.3e}"))
@@ -223,7 +224,9 @@ def notes(rows: list[dict], setup: model.Setup) -> list[str]:
         out.append("flat: NCCL's " + "; ".join(f"{name} at {', '.join(counts)} GPUs" for name, counts in chosen.items()))
     for r in rows:
         for phase in r.get("phases", [])[1:]:
-            out.append(f"{r['gpus']} GPUs: then {phase['epochs']:g} epochs at {phase['per_gpu_batch']}/GPU "
+            accumulated = phase["accumulation_steps"]
+            out.append(f"{r['gpus']} GPUs: then {phase['epochs']:g} epochs at {phase['per_gpu_batch']}/GPU"
+                       + (f" x {accumulated} accumulated" if accumulated > 1 else "") + " "
                        f"(global {phase['global_batch']:,}) of {phase['image_size']} px: step {phase['step_s'] * 1e3:.2f} ms "
                        f"(compute {phase['compute_s'] * 1e3:.2f}, comm {phase['comm_s'] * 1e3:.2f})")
     if any(r["input_bound"] for r in rows):

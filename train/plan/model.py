@@ -1,7 +1,10 @@
 """A training run at scale, term by term (docs/planner.md):
 
-    step = compute(per-GPU batch) + exposed all-reduce + optimizer step, no faster than the input
+    step = N x compute(per-GPU batch) + exposed all-reduce + optimizer step, no faster than the input
     time to train = start-up + steps x step + evaluations
+
+N is the gradient accumulation steps: the batches of every GPU whose gradients one optimizer step
+adds up, 1 unless the global batch's share of a GPU does not fit in its memory.
 
 The compute model is fitted here (compute.py does the arithmetic) to calibration.yaml, each point's
 step first cleared of the all-reduce and optimizer that the same model gives its machine.
@@ -195,23 +198,29 @@ def compute_seconds(setup: Setup, per_gpu_batch: int, image_size: int) -> float:
     return setup.fit.seconds(per_gpu_batch * pixel_share(image_size))  # (in 224 px images' worth of work)
 
 
-def step_terms(setup: Setup, gpus: int, per_gpu_batch: int, image_size: int = 224) -> dict:
-    """One training step of every GPU at crops of `image_size` px: compute, the all-reduce (all of it
-    and the exposed part), the optimizer step, and the step time, no shorter than the input pipeline
+def step_terms(setup: Setup, gpus: int, per_gpu_batch: int, image_size: int = 224, accumulation_steps: int = 1) -> dict:
+    """One training step of every GPU at crops of `image_size` px: compute (of all its
+    `accumulation_steps` batches), the all-reduce (all of it and the part left exposed after the last
+    batch's backward), the optimizer step, and the step time, no shorter than the input pipeline
     allows nor faster per image than the GPU's fastest measured point (scaled by the pixels)."""
     params = parameter_count(setup.cfg.arch)
-    compute_s = compute_seconds(setup, per_gpu_batch, image_size)
+    batch_compute_s = compute_seconds(setup, per_gpu_batch, image_size)
+    compute_s = accumulation_steps * batch_compute_s
     cluster, nbytes = setup.machine.cluster(gpus), params * WIRE_BYTES[setup.wire]
     comm_total = comm.allreduce_time(cluster, nbytes, setup.allreduce, setup.torus_rows, nccl=True)
-    comm_s = comm.exposed(comm_total, compute_s, setup.overlap, BACKWARD_SHARE)
+    # only the last batch's backward has the gradients the all-reduce sends: it alone hides it
+    comm_s = comm.exposed(comm_total, batch_compute_s, setup.overlap, BACKWARD_SHARE)
     optimizer_s = optimizer_seconds(setup.machine.gpu, params)
     step = compute_s + comm_s + optimizer_s
-    input_s, peak_s = per_gpu_batch / setup.input_cap, per_gpu_batch * pixel_share(image_size) / setup.fit.peak_img_s
+    images = per_gpu_batch * accumulation_steps
+    # the fastest point's rate holds each batch with its optimizer update; a step makes N - 1 fewer updates
+    input_s = images / setup.input_cap
+    peak_s = images * pixel_share(image_size) / setup.fit.peak_img_s - (accumulation_steps - 1) * optimizer_s
     agreement_s = agreement_per_step(gpus, max(step, input_s, peak_s))
     step += agreement_s
     nccl = comm.nccl_choice(cluster, nbytes)[0] if setup.allreduce == "flat" and gpus > 1 else None
-    return {"per_gpu_batch": per_gpu_batch, "global_batch": per_gpu_batch * gpus, "image_size": image_size,
-            "compute_s": compute_s,
+    return {"per_gpu_batch": per_gpu_batch, "accumulation_steps": accumulation_steps,
+            "global_batch": images * gpus, "image_size": image_size, "compute_s": compute_s,
             "comm_s": comm_s, "comm_total_s": comm_total, "optimizer_s": optimizer_s, "agreement_s": agreement_s,
             "step_s": max(step, input_s, peak_s), "input_bound": input_s > max(step, peak_s),
             "peak_bound": peak_s > max(step, input_s) * (1 + 1e-9), "nccl_algorithm": nccl}  # not at the point itself
@@ -226,25 +235,45 @@ def agreement_per_step(gpus: int, step_s: float) -> float:
     return agreement_s / agreement_interval(agreement_s, step_s)
 
 
-def phases(setup: Setup, gpus: int) -> tuple[list[tuple[float, int]], float, str]:
-    """([(epochs, per-GPU batch)] of each batch phase, epochs in all, where the epochs come from)."""
-    if setup.per_gpu_batch:
+def accumulation_steps(global_batch: int, gpus: int, fits: int, kept: int = 1) -> int:
+    """N for a global batch on `gpus` GPUs (which it divides) when a GPU holds at most `fits` images:
+    the fewest steps from `kept` (the previous batch phase's N; 1 for the first) up that split a GPU's
+    share into whole batches that fit (batches of 1 at worst); 0 where not even a batch of 1 fits.
+    The trainer's rule for an automatic --accumulation-steps (docs/planner.md)."""
+    share = global_batch // gpus  # one GPU's images per optimizer step
+    if fits < 1:
+        return 0
+    return next((n for n in range(kept, share + 1) if share % n == 0 and share // n <= fits), share)
+
+
+def phases(setup: Setup, gpus: int, fits: int) -> tuple[list[tuple[float, int, int]], float, str]:
+    """([(epochs, per-GPU batch, accumulation steps)] of each batch phase, epochs in all, where the
+    epochs come from), a GPU holding at most `fits` images (Skip where no phase's batch can)."""
+    spec = setup.machine.gpu
+    room = (f"in the {spec.name}'s {spec.memory_bytes / 1e9:.0f} GB (at most {fits:,} images of "
+            f"{largest_image_size(setup.cfg)} px; docs/planner.md)")
+    if setup.per_gpu_batch:  # the batch is given: accumulating cannot make it fit
+        if setup.per_gpu_batch > fits:
+            raise Skip(f"per-GPU batch {setup.per_gpu_batch:,} does not fit {room}")
         global_batch = setup.per_gpu_batch * gpus
         epochs = mlperf_epochs(global_batch)
-        return ([(epochs, setup.per_gpu_batch)], epochs,
+        return ([(epochs, setup.per_gpu_batch, 1)], epochs,
                 f"MLPerf table at global batch {global_batch:,} ({mlperf_epochs_reason(global_batch)})")
     changes = batch_phases(setup.cfg)
     if setup.preset.startswith("mlperf-") and len(changes) == 1:
         epochs, source = mlperf_epochs(changes[0][1]), "MLPerf reference mean epochs to 75.9%"
     else:
         epochs, source = float(setup.cfg.epochs), "preset"
-    spans = []
+    spans, accumulated = [], 1  # a phase keeps the previous one's N where its batch can follow
     for i, (start, global_batch) in enumerate(changes):
         end = changes[i + 1][0] if i + 1 < len(changes) else epochs
         if global_batch % gpus:
             raise Skip(f"global batch {global_batch:,} does not divide over {gpus} GPUs")
+        accumulated = accumulation_steps(global_batch, gpus, fits, accumulated)
+        if not accumulated:
+            raise Skip(f"per-GPU batch 1 does not fit {room}: no accumulation carries global batch {global_batch:,}")
         if end > start:
-            spans.append((end - start, global_batch // gpus))
+            spans.append((end - start, global_batch // gpus // accumulated, accumulated))
     return spans, epochs, source
 
 
@@ -265,31 +294,26 @@ def resolution_spans(cfg: Config, start: float, end: float) -> list[tuple[float,
 
 
 def plan(setup: Setup, gpus: int) -> dict:
-    """The run on `gpus` GPUs: one row of the planner's output (Skip when the batch does not divide)."""
+    """The run on `gpus` GPUs: one row of the planner's output (Skip when the batch does not divide,
+    or no accumulation makes a GPU's share of it fit)."""
     from models import eval_flops_per_image, train_flops_per_image  # (loads torch: not for --help)
     nodes = nodes_of(gpus, setup.machine.gpus_per_node)
     check_rows(gpus, setup.torus_rows if setup.allreduce == "torus" else 0)
-    spans, epochs, epochs_source = phases(setup, gpus)
-    params, spec = parameter_count(setup.cfg.arch), setup.machine.gpu
-    largest = largest_image_size(setup.cfg)
-    fits = max_per_gpu_batch(spec, params, largest)
-    for _, batch in spans:
-        if batch > fits:
-            raise Skip(f"per-GPU batch {batch:,} does not fit in the {spec.name}'s {spec.memory_bytes / 1e9:.0f} GB "
-                       f"(at most {fits:,} images of {largest} px; docs/planner.md)")
+    fits = max_per_gpu_batch(setup.machine.gpu, parameter_count(setup.cfg.arch), largest_image_size(setup.cfg))
+    spans, epochs, epochs_source = phases(setup, gpus, fits)
     steps_total = train_s = eval_s = trained = flop = 0.0
     evals = math.ceil(epochs / setup.cfg.eval_every) if setup.cfg.eval_every else 1
     eval_size = setup.cfg.eval_image_size or setup.cfg.image_size
     arch, blurpool = setup.cfg.arch, setup.cfg.blurpool  # (the FLOPs of the model the run builds)
     passes = 2 if setup.cfg.eval_flip else 1  # --eval-flip: each image and its mirror image pass the model
     terms, start = [], 0.0
-    for span_epochs, batch in spans:
+    for span_epochs, batch, accumulated in spans:
         eval_steps = math.ceil(math.ceil(IMAGENET_VAL_IMAGES / gpus) / batch)
         # an evaluation step is a forward pass a batch (two with flips): a third of a training step's compute
         eval_s += (evals * span_epochs / epochs * eval_steps * passes * (1 - BACKWARD_SHARE)
                    * compute_seconds(setup, batch, eval_size))
         for size_epochs, size in resolution_spans(setup.cfg, start, start + span_epochs):  # (progressive resizing)
-            step = step_terms(setup, gpus, batch, size)
+            step = step_terms(setup, gpus, batch, size, accumulated)
             steps = math.ceil(size_epochs * IMAGENET_TRAIN_IMAGES / step["global_batch"])
             steps_total += steps
             train_s += steps * step["step_s"]
@@ -302,7 +326,8 @@ def plan(setup: Setup, gpus: int) -> dict:
     time_to_train = setup.startup_s + train_s + eval_s
     flops = flop / time_to_train
     first = terms[0]
-    row = {"gpus": gpus, "nodes": nodes, "per_gpu_batch": first["per_gpu_batch"], "global_batch": first["global_batch"],
+    row = {"gpus": gpus, "nodes": nodes, "per_gpu_batch": first["per_gpu_batch"],
+           "accumulation_steps": first["accumulation_steps"], "global_batch": first["global_batch"],
            "compute_s": first["compute_s"], "comm_s": first["comm_s"], "comm_total_s": first["comm_total_s"],
            "optimizer_s": first["optimizer_s"], "agreement_s": first["agreement_s"], "step_s": first["step_s"],
            "input_bound": first["input_bound"],

@@ -1,0 +1,98 @@
+"""How a global batch splits: global batch = ranks x per-rank batch x accumulation steps (the batches
+whose gradients add up before one all-reduce and one optimizer step). Any two settings give the third;
+what start-up chooses where they leave it open, and how a --batch-schedule phase splits, are here
+(docs/accumulation.md has the table). The run's trajectory depends on the global batch and the per-rank
+batch only: R ranks x N steps and R x N ranks x 1 step are the same run (data/sharding.py).
+"""
+from train.errors import UsageError
+from train.rules import DEFAULT_PER_RANK_BATCH
+from train.schedule import batch_phases
+
+
+def batch_sizes(batch_size: int, global_batch_size: int, world_size: int, default: int = DEFAULT_PER_RANK_BATCH,
+                accumulation_steps: int = 0, fits: int = 0) -> tuple[int, int, int]:
+    """(per-rank batch, global batch, accumulation steps) from the three settings (0 = not set) and the
+    rank count, global batch = ranks x batch x steps (docs/accumulation.md has the table): any two give
+    the third; a global batch alone takes `default` per rank, or where ranks x `default` is less than it
+    the fewest steps that make a whole per-rank batch of at most `default`; neither batch given takes
+    `default` per rank. `fits`: the largest per-rank batch whose step fits the device (0: no limit
+    known), which accumulation steps that were asked for must respect."""
+    batch, total, steps = batch_size, global_batch_size, accumulation_steps
+    if batch and total and steps:
+        if world_size * batch * steps != total:
+            raise UsageError(f"--batch-size {batch} x {world_size} rank(s) x --accumulation-steps {steps} = "
+                             f"{world_size * batch * steps} disagrees with --global-batch-size {total}; "
+                             f"{_ways(total, world_size, fits or batch)}")
+    elif batch and total:
+        if total % (world_size * batch):
+            raise UsageError(f"--global-batch-size {total} is not a whole number of {world_size} rank(s) x --batch-size "
+                             f"{batch}; {_ways(total, world_size, batch)}")
+        steps = total // (world_size * batch)
+    elif total:
+        if total % world_size:
+            raise UsageError(f"--global-batch-size {total} does not divide over {world_size} ranks; "
+                             "choose a multiple of the rank count")
+        if steps:
+            if total % (world_size * steps):
+                raise UsageError(f"--global-batch-size {total} does not split into {world_size} rank(s) x "
+                                 f"--accumulation-steps {steps} whole batches; {_ways(total, world_size, fits or total)}")
+            batch = total // (world_size * steps)
+        else:
+            steps = fewest_steps(total // world_size, default)
+            batch = total // (world_size * steps)
+    else:
+        batch, steps = batch or default, steps or 1
+        total = world_size * batch * steps
+    if accumulation_steps and fits and batch > fits:
+        raise UsageError(f"--accumulation-steps {accumulation_steps} leaves a per-rank batch of {batch}, more than the "
+                         f"{fits} whose step fits this device; {_ways(total, world_size, fits)}")
+    return batch, total, steps
+
+
+def fewest_steps(per_rank: int, largest: int) -> int:
+    """The fewest accumulation steps that split a rank's share of a global batch into whole batches of
+    at most `largest` images (1 when the share is no larger; the share itself, batches of 1, at worst)."""
+    return next(steps for steps in range(1, per_rank + 1) if per_rank % steps == 0 and per_rank // steps <= largest)
+
+
+def _ways(total: int, world_size: int, largest: int) -> str:
+    """What would work for a global batch on this rank count: a few (batch, steps) pairs, largest batch first."""
+    if total % world_size:
+        return "choose a global batch that divides over the ranks"
+    share = total // world_size
+    pairs = [(share // steps, steps) for steps in range(1, share + 1) if share % steps == 0 and share // steps <= largest]
+    said = " or ".join(f"--batch-size {batch} --accumulation-steps {steps}" for batch, steps in pairs[:3])
+    return f"global batch {total} on {world_size} rank(s) is e.g. {said}" if said else "give two of the three"
+
+
+def phase_split(global_batch: int, world_size: int, steps: int, largest: int) -> tuple[int, int]:
+    """(per-rank batch, accumulation steps) of a --batch-schedule phase's global batch: the run's steps
+    kept and the per-rank batch following (as without accumulation), unless that batch would be more
+    than `largest` (the run's batch or the largest that fits, whichever is more) or not whole: then the
+    fewest steps above that give a whole batch that is not."""
+    share = global_batch // world_size
+    if share % steps == 0 and share // steps <= largest:
+        return share // steps, steps
+    more = next((n for n in range(steps, share + 1) if share % n == 0 and share // n <= largest), share)
+    return share // more, more
+
+
+def split_phases(run) -> list[tuple[int, int, int, int]]:
+    """(epochs done, global batch, per-rank batch, accumulation steps) of each batch phase of a resolved
+    run (its first, then --batch-schedule's): phase_split, on the rank count the first phase implies."""
+    steps = max(run.accumulation_steps, 1)
+    if not (run.batch_size and run.global_batch_size):  # (settings not resolved: one phase, as given)
+        return [(0, run.global_batch_size, run.batch_size, steps)]
+    ranks = run.global_batch_size // (run.batch_size * steps)
+    largest = getattr(run, "largest_batch", 0) or max(run.batch_size, DEFAULT_PER_RANK_BATCH)
+    return [(done, total, *phase_split(total, ranks, steps, largest)) for done, total in batch_phases(run)]
+
+
+def accumulates(run) -> bool:
+    """Whether some phase of a resolved run adds up the gradients of more than one batch per step."""
+    return any(steps > 1 for *_, steps in split_phases(run))
+
+
+def epoch_split(run, epoch: int) -> tuple[int, int, int]:
+    """(global batch, per-rank batch, accumulation steps) of a resolved run's 0-based `epoch`."""
+    return [phase[1:] for phase in split_phases(run) if epoch >= phase[0]][-1]
