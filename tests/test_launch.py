@@ -80,7 +80,7 @@ def _refused(tmp_path, *args, match, env=None):
     (["--bn-span", 3], "--bn-span 3 does not divide the 2 rank(s)"),
     (["--ranks-per-node", 3], "2 ranks do not split into nodes of 3"),
     (["--global-batch-size", 15], "--global-batch-size 15 does not divide over 2 ranks"),
-    (["--batch-size", 8, "--global-batch-size", 24], "--batch-size 8 x 2 rank(s) = 16 disagrees with --global-batch-size 24"),
+    (["--batch-size", 8, "--global-batch-size", 24], "--global-batch-size 24 is not a whole number of 2 rank(s) x --batch-size 8"),
     (["--engine", "torch"], "--engine torch under mpirun needs MASTER_ADDR"),
 ])
 def test_bad_input_with_two_ranks_leaves_nothing(tmp_path, args, match):

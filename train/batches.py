@@ -43,7 +43,7 @@ def batch_sizes(batch_size: int, global_batch_size: int, world_size: int, defaul
     else:
         batch, steps = batch or default, steps or 1
         total = world_size * batch * steps
-    if accumulation_steps and fits and batch > fits:
+    if accumulation_steps and not batch_size and fits and batch > fits:  # (a batch given is the user's to size)
         raise UsageError(f"--accumulation-steps {accumulation_steps} leaves a per-rank batch of {batch}, more than the "
                          f"{fits} whose step fits this device; {_ways(total, world_size, fits)}")
     return batch, total, steps

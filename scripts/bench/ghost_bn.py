@@ -119,7 +119,7 @@ def main() -> None:
             if cuda:
                 torch.cuda.synchronize()
             start = time.perf_counter()
-            run.train_step(images, labels)
+            run.train_step([(images, labels)])
             if cuda:
                 torch.cuda.synchronize()
             return time.perf_counter() - start

@@ -17,6 +17,7 @@ from pathlib import Path
 import yaml
 
 from train.config import Config
+from train.batches import phase_split
 from train.errors import UsageError
 from train.plan import comm, compute
 from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, CustomNetwork, Gpu, gpu as gpu_spec, in_node_link, network_link
@@ -235,17 +236,6 @@ def agreement_per_step(gpus: int, step_s: float) -> float:
     return agreement_s / agreement_interval(agreement_s, step_s)
 
 
-def accumulation_steps(global_batch: int, gpus: int, fits: int, kept: int = 1) -> int:
-    """N for a global batch on `gpus` GPUs (which it divides) when a GPU holds at most `fits` images:
-    the fewest steps from `kept` (the previous batch phase's N; 1 for the first) up that split a GPU's
-    share into whole batches that fit (batches of 1 at worst); 0 where not even a batch of 1 fits.
-    The trainer's rule for an automatic --accumulation-steps (docs/planner.md)."""
-    share = global_batch // gpus  # one GPU's images per optimizer step
-    if fits < 1:
-        return 0
-    return next((n for n in range(kept, share + 1) if share % n == 0 and share // n <= fits), share)
-
-
 def phases(setup: Setup, gpus: int, fits: int) -> tuple[list[tuple[float, int, int]], float, str]:
     """([(epochs, per-GPU batch, accumulation steps)] of each batch phase, epochs in all, where the
     epochs come from), a GPU holding at most `fits` images (Skip where no phase's batch can)."""
@@ -269,11 +259,12 @@ def phases(setup: Setup, gpus: int, fits: int) -> tuple[list[tuple[float, int, i
         end = changes[i + 1][0] if i + 1 < len(changes) else epochs
         if global_batch % gpus:
             raise Skip(f"global batch {global_batch:,} does not divide over {gpus} GPUs")
-        accumulated = accumulation_steps(global_batch, gpus, fits, accumulated)
-        if not accumulated:
+        if fits < 1:
             raise Skip(f"per-GPU batch 1 does not fit {room}: no accumulation carries global batch {global_batch:,}")
+        # the trainer's split: the fewest steps from the previous phase's up whose batch is whole and fits
+        batch, accumulated = phase_split(global_batch, gpus, accumulated, fits)
         if end > start:
-            spans.append((end - start, global_batch // gpus // accumulated, accumulated))
+            spans.append((end - start, batch, accumulated))
     return spans, epochs, source
 
 
