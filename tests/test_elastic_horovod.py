@@ -129,6 +129,30 @@ def test_a_killed_worker_costs_the_steps_since_the_commit_and_the_run_finishes_w
 
 @pytest.mark.multiprocess
 @pytest.mark.alone
+def test_a_lost_worker_leaves_the_per_rank_batch_as_it_was_and_the_survivor_accumulates_more(tmp_path):
+    """2 workers x batch 3 x 2 accumulated = global batch 12; one killed: 1 worker x batch 3 x 4 (the
+    count divides), the same global batch and the same split of it into batches."""
+    job = elastic_job(tmp_path, host_aliases()[:2], "--batch-size", 3, min_np=1)
+    try:
+        wait_until(lambda: trained_to(tmp_path / "run", 5), 240, "step 5", alive=[job])
+        os.kill(wait_until(lambda: worker(job, "HOROVOD_RANK", "1"), 10, "rank 1"), signal.SIGKILL)
+        assert ended(job, 300, tmp_path) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        kill_tree(job)
+    log = (tmp_path / "job.log").read_text()
+    assert "2 rank(s) x batch 3 x 2 accumulated = global batch 12" in log, log[-3000:]
+    records = read_metrics(tmp_path / "run")
+    change = next(r for r in records if r["kind"] == "workers")
+    assert (change["ranks"], change["batch_size"], change["accumulation_steps"]) == (1, 3, 4), change
+    assert "workers changed: 1 rank(s) x batch 3 x 4 accumulated" in log
+    epochs = [r for r in records if r["kind"] == "epoch"]
+    assert [r["step"] for r in epochs][-3:] == [6, 12, 18]
+    for record in epochs[-3:]:  # each image once per epoch over both shares
+        assert record["samples"] == each_position_once(72), record
+
+
+@pytest.mark.multiprocess
+@pytest.mark.alone
 def test_a_worker_that_joins_later_gets_the_state(tmp_path):
     aliases = host_aliases()
     if len(aliases) < 3:

@@ -2,7 +2,8 @@
 .numpy(), bool/float/int of a tensor) makes the CPU wait for the GPU, and the next step's kernels are
 not queued in time. A CPU cannot see the wait, so the reads are counted instead
 (tests/helpers/host_reads.py): a run of 14 steps must make exactly the reads of a run of 4 (logging
-and evaluation out of the way), in every precision, with DALI and with ghost BatchNorm.
+and evaluation out of the way), in every precision, with DALI, with ghost BatchNorm and with gradient
+accumulation (--accumulation-steps).
 
 fp16's loss scaling is where a read hid: GradScaler reads its overflow flag every step unless the
 optimizer unscales and skips by itself, which ours do, with the same results as the scaler's own
@@ -94,6 +95,8 @@ CASES = {
     "fp16": (SYNTHETIC + ["--precision", "fp16"], {"TRAINER_ALLOW_CPU_FP16": "1"}),
     "dali": (["--loader", "dali", "--workers", 1], {}),
     "ghost BatchNorm": (SYNTHETIC + ["--bn-group-size", 2], {}),
+    "accumulation": (SYNTHETIC + ["--accumulation-steps", 3], {}),  # (BN's running statistics kept per step too)
+    "accumulation, fp16": (SYNTHETIC + ["--accumulation-steps", 2, "--precision", "fp16"], {"TRAINER_ALLOW_CPU_FP16": "1"}),
     "epoch-cutting methods": (SYNTHETIC + ["--ema-decay", 0.9, "--blurpool", "--lr-schedule", "cosine",
                                            "--resolution-schedule", "16:24:0:1:8", "--eval-flip"], {}),
 }

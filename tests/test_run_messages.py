@@ -1,8 +1,9 @@
 """What a run says at its end and on a restart is true: the done line counts this segment's steps and
 images against this segment's seconds (and the run's total apart), in the singular for one step; a
-preempted run without --out-dir names the --out-dir its restart needs; a restart's --batch-size that the
-kept global batch overrides is said, not dropped silently; the compute threads are sized against the
-ranks on the host and the loader's threads, and --threads sets them."""
+preempted run without --out-dir names the --out-dir its restart needs; a restart's --batch-size and
+--accumulation-steps that the kept global batch overrides are said, not dropped silently, and a restart
+on fewer ranks that keeps the per-rank batch by accumulating more batches per step says so; the compute
+threads are sized against the ranks on the host and the loader's threads, and --threads sets them."""
 import os
 import re
 import signal
@@ -13,7 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from helpers import child_env, run_train
+from helpers import child_env, launch, run_train
 from train.startup import compute_threads
 
 # 128 synthetic images at global batch 8: 16 steps an epoch
@@ -59,6 +60,37 @@ def test_a_restarts_batch_size_that_the_run_overrides_is_said(tmp_path):
     assert "1 rank(s) x batch 8 = global batch 8" in again.stdout
     same = run_train("--out-dir", "run", *command, "--batch-size", 8, "--max-steps", 3, cwd=tmp_path)
     assert same.returncode == 0 and "not taken" not in same.stdout, same.stdout  # the run's own: nothing to say
+    # the restart's own split of the kept global batch: both not taken, the run's 8 per rank in one step kept
+    split = run_train("--out-dir", "run", *command, "--batch-size", 4, "--accumulation-steps", 2, "--max-steps", 4,
+                      cwd=tmp_path)
+    assert split.returncode == 0, split.stderr
+    assert ("warning: --batch-size 4 and --accumulation-steps 2 not taken: run holds a run of global batch 8, kept on "
+            "1 rank(s) as 8 per rank; change it with --resume --global-batch-size") in split.stdout, split.stdout
+    assert "1 rank(s) x batch 8 = global batch 8" in split.stdout and "accumulated" not in split.stdout
+
+
+@pytest.mark.multiprocess
+def test_a_run_restarted_on_fewer_ranks_keeps_its_per_rank_batch_and_says_so(tmp_path):
+    """2 ranks x batch 4 (global batch 8), the same command again on one rank: the per-rank batch kept,
+    2 batches accumulated per step, said in one line; the restart's own --batch-size and
+    --accumulation-steps are not taken, and said."""
+    command = [arg for arg in RUN if arg not in ("--global-batch-size", 8)]  # (the per-rank batch given, as a user would)
+    first = launch("torch", 2, "-m", "train", "--out-dir", "run", *command, "--batch-size", 4, "--max-steps", 1,
+                   "--threads", 1, cwd=tmp_path, timeout=300)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert "2 rank(s) x batch 4 = global batch 8" in first.stdout, first.stdout
+    again = run_train("--out-dir", "run", *command, "--batch-size", 4, "--max-steps", 2, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    assert ("global batch 8 kept on 1 rank(s) as 4 per rank x 2 accumulated (was 2 rank(s) x 1 accumulated): the same "
+            "run, the per-rank batch unchanged") in again.stdout.splitlines(), again.stdout
+    assert "1 rank(s) x batch 4 x 2 accumulated = global batch 8" in again.stdout and "not taken" not in again.stdout
+    other = run_train("--out-dir", "run", *command, "--batch-size", 8, "--accumulation-steps", 1, "--max-steps", 3,
+                      cwd=tmp_path)
+    assert other.returncode == 0, other.stderr
+    assert ("warning: --batch-size 8 and --accumulation-steps 1 not taken: run holds a run of global batch 8, kept on "
+            "1 rank(s) as 4 per rank x 2 accumulated; change it with --resume --global-batch-size") in other.stdout, \
+        other.stdout
+    assert "1 rank(s) x batch 4 x 2 accumulated = global batch 8" in other.stdout
 
 
 @pytest.mark.slow

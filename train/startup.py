@@ -197,7 +197,8 @@ def checked_setup(cfg: Config, engine, out_dir: str):
     lr, warmup, note = lr_and_warmup(cfg, global_batch)
     check_bn_span(cfg.bn_span, engine.world_size)
     data_dir = resolve_data_dir(cfg)
-    loader = build_loader(loader_name, LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch_size, precision=precision.name),
+    loader = build_loader(loader_name, LoaderSettings.of(cfg, data_dir=data_dir, batch_size=batch_size,
+                                                       accumulation_steps=steps, precision=precision.name),
                           engine.rank, engine.world_size, engine.device)
     if cfg.num_classes and cfg.num_classes != loader.num_classes:  # a resumed run's model has the recorded count
         raise UsageError(f"{data_dir or 'the synthetic data'} has {loader.num_classes} classes, the run "
