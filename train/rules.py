@@ -1,4 +1,5 @@
-"""Settings that follow from the global batch: the per-rank batch, the peak LR and the warmup.
+"""Settings that follow from the global batch: the peak LR and the warmup (its split into ranks, per-rank
+batch and accumulation steps: train/batches.py).
 
 Without a preset the trainer picks the peak LR and the warmup from the global batch
 (docs/learning_rate.md says why these rules):
