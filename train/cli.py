@@ -177,13 +177,16 @@ def parse(argv: list[str]) -> Config:
         for partner in partners if name in flags else ():
             if partner not in flags:
                 values[partner] = FIELDS[partner].default
-    restart = values.get("restarted") and "global_batch_size" not in flags
+    run_config = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config") if values.get("restarted") else {}
+    # (a restart whose command names the run's own global batch is the same command started again)
+    restart = values.get("restarted") and flags.get("global_batch_size", run_config.get("global_batch_size")) == \
+        run_config.get("global_batch_size")
     if restart or (from_saved and not flags.get("test_only") and not set(BATCH_FLAGS) & set(flags)):
         # the global batch defines the run: started again on another rank count (an elastic launcher's restart,
         # a requeue on a smaller allocation), it keeps it, and keeps its per-rank batch where the rank count
         # divides, by accumulating more or fewer steps (startup.split_batch); a restart's own --batch-size and
         # --accumulation-steps are not taken
-        saved = values if from_saved else load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config")
+        saved = values if from_saved else run_config
         if saved.get("global_batch_size"):
             kept = (saved.get("batch_size") or saved["global_batch_size"], saved.get("accumulation_steps") or 1)
             command = (flags.pop("batch_size", 0), flags.pop("accumulation_steps", 0)) if restart else ()
