@@ -159,7 +159,8 @@ def test_a_batch_size_change_covers_every_image_once_per_epoch():
         for per_rank in (4, 8, 20):  # as Loader.set_batch_size sets it
             seen = []
             for sampler in samplers:
-                sampler.batch_size, sampler.global_batch, sampler.epoch = per_rank, per_rank * world, 2
+                sampler.resize(per_rank)
+                sampler.epoch = 2
                 batches = list(sampler)
                 assert all(len(b) == per_rank for b in batches) and len(batches) == 120 // (per_rank * world)
                 seen += [index for batch in batches for index, _ in batch]

@@ -130,8 +130,9 @@ def each_position_once(count: int) -> dict:
 
 @pytest.mark.multiprocess
 def test_a_run_continued_on_another_rank_count_keeps_its_global_batch_and_trains_each_image_once(tmp_path):
-    """3 ranks, then 2 (what an elastic launcher does after losing a node), then 1: the per-rank batch
-    follows the run's global batch, whatever --batch-size says; every epoch's positions are trained
+    """3 ranks, then 2 (what an elastic launcher does after losing a node), then 1: the run's global
+    batch is kept, whatever --batch-size says; the per-rank batch follows where the rank count does not
+    divide the global batch by it (3 -> 2) and is kept, with accumulation, where it does (2 -> 1); every epoch's positions are trained
     exactly once over the segments; the training clock goes on from where the last segment stopped."""
     command = ["-m", "train", "--out-dir", "run", "--loader", "synthetic", "--arch", "resnet18", "--image-size", 16,
                "--synthetic-images", 96, "--synthetic-val-images", 12, "--synthetic-classes", 10, "--batch-size", 8,
@@ -143,7 +144,8 @@ def test_a_run_continued_on_another_rank_count_keeps_its_global_batch_and_trains
     assert "2 rank(s) x batch 12 = global batch 24" in second.stdout
     third = launch("none", 1, *command, cwd=tmp_path)
     assert third.returncode == 0, third.stderr[-3000:]
-    assert "1 rank(s) x batch 24 = global batch 24" in third.stdout
+    # (1 x 12 divides 24: the per-rank batch the run has now is kept, two batches accumulated per step)
+    assert "1 rank(s) x batch 12 x 2 accumulated = global batch 24" in third.stdout
     records = read_metrics(tmp_path / "run")
     epochs = [r for r in records if r["kind"] == "epoch" and r["epoch"] in (1.0, 2.0)]
     assert [r["step"] for r in epochs] == [4, 8]
