@@ -209,3 +209,35 @@ def test_running_statistics_move_once_per_step_by_the_mean_of_its_batches():
         torch.testing.assert_close(bn.running_mean, (1 - momentum) * mean0 + momentum * batch_mean)
         torch.testing.assert_close(bn.running_var, (1 - momentum) * var0 + momentum * batch_var)
         assert bn.num_batches_tracked.item() == 8
+
+
+# --- the settings around a split: flags over a saved run, a restart in the closed division, CUDA graphs --
+def test_one_batch_flag_on_resume_leaves_the_saved_runs_other_values_to_start_up(tmp_path):
+    import yaml
+    from train.cli import parse
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump({"batch_size": 8, "global_batch_size": 32, "accumulation_steps": 4}))
+    steps = parse(["--resume", "--out-dir", str(run), "--accumulation-steps", "2"])  # the saved 32 split in 2 steps
+    assert (steps.batch_size, steps.global_batch_size, steps.accumulation_steps) == (0, 32, 2)
+    assert batch_sizes(steps.batch_size, steps.global_batch_size, 1, accumulation_steps=2) == (16, 32, 2)
+    batch = parse(["--resume", "--out-dir", str(run), "--batch-size", "16"])  # a batch alone: one step of it per rank
+    assert (batch.batch_size, batch.global_batch_size, batch.accumulation_steps) == (16, 0, 0)
+
+
+def test_a_closed_division_run_continued_on_other_ranks_keeps_its_steps():
+    from train.config import Config
+    from train.startup import split_batch
+    engine = SimpleNamespace(world_size=2, device=torch.device("cpu"))
+    saved = dict(global_batch_size=32, saved_batch=(8, 4))  # 1 rank x 8 x 4 before
+    assert split_batch(Config(**saved), engine, "fp32", 224)[:3] == (8, 32, 2)  # open: the batch kept, N follows
+    assert split_batch(Config(division="closed", **saved), engine, "fp32", 224)[:3] == (4, 32, 4)  # one N, MLPerf's rule
+
+
+@pytest.mark.slow(seconds=10)
+def test_cuda_graph_compile_modes_with_accumulation_are_one_line_exit_2(tmp_path):
+    done = run_train("--out-dir", "fresh", "--loader", "synthetic", "--synthetic-images", 64, "--arch", "resnet18",
+                     "--image-size", 16, "--batch-size", 4, "--global-batch-size", 8, "--compile", "--compile-mode",
+                     "reduce-overhead", "--max-steps", 1, cwd=tmp_path)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--compile-mode reduce-overhead replays CUDA graphs" in done.stderr and not (tmp_path / "fresh").exists()

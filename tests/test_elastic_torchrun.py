@@ -102,37 +102,6 @@ def test_a_worker_killed_mid_epoch_is_restarted_by_torchrun_and_ends_bit_identic
     assert_same_weights(a, b)
 
 
-def test_a_run_restarted_on_half_the_ranks_keeps_its_per_rank_batch_and_its_trajectory(tmp_path):
-    """2 ranks x batch 4 (global batch 8) for 2 steps, then the same command under torchrun on 1 rank: the
-    per-rank batch of 4 kept with 2 batches accumulated per step (said in one line), and after 4 steps
-    the weights, BatchNorm's running statistics and the momentum of the uninterrupted 2-rank run, to
-    rounding. (Where the rank count does not divide, the per-rank batch follows: the next test.)"""
-    def command(ranks, out_dir, steps):
-        return [*TORCHRUN, "--standalone", "--nproc-per-node", ranks, "-m", "train", "--out-dir", out_dir, *TINY,
-                "--synthetic-images", 64, "--batch-size", 4, "--epochs", 1, "--max-steps", steps, "--threads", 1]
-
-    def run(ranks, out_dir, steps):
-        done = subprocess.run(list(map(str, command(ranks, out_dir, steps))), cwd=tmp_path, capture_output=True,
-                              text=True, timeout=300, env=child_env())
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-        return done.stdout
-
-    assert "2 rank(s) x batch 4 = global batch 8" in run(2, "whole", 4)
-    run(2, "run", 2)
-    again = run(1, "run", 4)
-    assert ("global batch 8 kept on 1 rank(s) as 4 per rank x 2 accumulated (was 2 rank(s) x 1 accumulated): the same "
-            "run, the per-rank batch unchanged") in again.splitlines(), again
-    assert "1 rank(s) x batch 4 x 2 accumulated = global batch 8" in again and "resuming run at step 2" in again, again
-    a = torch.load(tmp_path / "whole" / "checkpoint.pt", weights_only=True)
-    b = torch.load(tmp_path / "run" / "checkpoint.pt", weights_only=True)
-    assert a["step"] == b["step"] == 4 and a["model"].keys() == b["model"].keys()
-    for key in a["model"]:  # (2 ranks sum 2 batches' gradients in another order than one rank: rounding apart)
-        torch.testing.assert_close(b["model"][key], a["model"][key], rtol=1e-4, atol=1e-5, msg=key)
-    for key, state in a["optimizer"]["state"].items():
-        torch.testing.assert_close(b["optimizer"]["state"][key]["momentum_buffer"], state["momentum_buffer"], rtol=1e-4,
-                                   atol=1e-5, msg=str(key))
-
-
 def each_position_once(count: int) -> dict:
     """An epoch's sample ledger when its positions 0 .. count-1 were each trained exactly once."""
     return {"count": count, "sum": sum(range(count)), "sum_sq": sum(p * p for p in range(count))}

@@ -95,7 +95,6 @@ CASES = {
     "fp16": (SYNTHETIC + ["--precision", "fp16"], {"TRAINER_ALLOW_CPU_FP16": "1"}),
     "dali": (["--loader", "dali", "--workers", 1], {}),
     "ghost BatchNorm": (SYNTHETIC + ["--bn-group-size", 2], {}),
-    "accumulation": (SYNTHETIC + ["--accumulation-steps", 3], {}),  # (BN's running statistics kept per step too)
     "accumulation, fp16": (SYNTHETIC + ["--accumulation-steps", 2, "--precision", "fp16"], {"TRAINER_ALLOW_CPU_FP16": "1"}),
     "epoch-cutting methods": (SYNTHETIC + ["--ema-decay", 0.9, "--blurpool", "--lr-schedule", "cosine",
                                            "--resolution-schedule", "16:24:0:1:8", "--eval-flip"], {}),

@@ -132,10 +132,10 @@ def _shown(default) -> str:
 # Settings derived from one another: a flag on the command line wins over its partner's value from
 # the preset or the saved run (a per-rank --batch-size over a preset's global batch, and so on).
 # Two flags of a pair given together must agree (checked once the rank count is known).
-# (the global batch is ranks x batch x accumulation steps: a global batch given alone leaves the other two to
-# start-up, a batch given alone the global batch)
-PARTNERS = {"batch_size": ("global_batch_size",), "global_batch_size": ("batch_size", "accumulation_steps"),
-            "lr": ("lr_per_256",), "lr_per_256": ("lr",)}
+# (the global batch is ranks x batch x accumulation steps: a global batch or a batch given alone leaves the other
+# two to start-up, accumulation steps given alone split the global batch)
+PARTNERS = {"batch_size": ("global_batch_size", "accumulation_steps"), "global_batch_size": ("batch_size", "accumulation_steps"),
+            "accumulation_steps": ("batch_size",), "lr": ("lr_per_256",), "lr_per_256": ("lr",)}
 BATCH_FLAGS = ("batch_size", "global_batch_size", "accumulation_steps")
 
 

@@ -12,7 +12,10 @@ sizes, and a shape the count did not foresee past the limit runs eagerly (torch 
 of compiling again.
 """
 import torch
+
 from train.batches import epoch_split
+
+GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay CUDA graphs
 
 
 def run_shapes(cfg, schedule, world_size: int) -> int:

@@ -17,9 +17,9 @@ import contextlib
 from horovod.common.elastic import State
 
 from train import runlock
+from train.batches import epoch_split
 from train.errors import UsageError, raised_everywhere
 from train.host_memory import host_copy, replace_tensors
-from train.batches import epoch_split
 
 
 class TrainingState(State):

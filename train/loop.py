@@ -26,17 +26,17 @@ from torch.profiler import record_function
 
 from models import build_model
 from train import checkpoint
+from train.batches import epoch_split
 from train.bnstats import RecentBatches, StepStatistics, recompute_bn_statistics, share_bn_statistics
 from train.compiled import compile_in_place, run_shapes
 from train.config import Config
-from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
 from train.ema import WeightAverage
+from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
 from train.evaluate import evaluate, replicas_differing
 from train.hooks import HookList, LoopHooks
 from train.host_memory import reserve
 from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
-from train.batches import epoch_split
 from train.runlog import RunLog, count, progress, run_header
 from train.saving import Checkpointing
 from train.schedule import EpochClock, EvalPlan, build_schedule, resolution_ramp
@@ -214,8 +214,9 @@ class Training(Checkpointing):
         of the last few."""
         s = self.state
         batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
-        batches = iter(progress(batches, self.loader.steps_per_epoch - s.step_in_epoch,
-                                self.schedule.global_batch(s.epoch), self.engine.rank == 0, f"epoch {s.epoch + 1}"))
+        passes = self.loader_batch[1]  # (the bar counts batches, each a global batch's 1/passes)
+        batches = iter(progress(batches, (self.loader.steps_per_epoch - s.step_in_epoch) * passes,
+                                self.schedule.global_batch(s.epoch) // passes, self.engine.rank == 0, f"epoch {s.epoch + 1}"))
         while True:
             self.hooks.batch_asked()
             with record_function("data wait"):

@@ -1,7 +1,8 @@
 """`python -m train --preset NAME --show-recipe`: a run's recipe without training it.
 
 One JSON object: `config`, the resolved settings (batch, LR and warmup as the run would choose
-them for this launcher's rank count), `train_images` and `train_images_source` (the training-set
+them for this launcher's rank count; the per-rank batch and accumulation steps as a CPU chooses them, at
+most 256 per rank), `train_images` and `train_images_source` (the training-set
 size the epochs are counted over, and where it comes from), and `epochs`, one entry per epoch:
 `epoch` (from 1), `global_batch`, `accumulation_steps` (its batches per optimizer step), `lr_first` and `lr_last` (the LR of the epoch's first and last
 optimizer step), `image_size` (its training crop size), `augment`, and for a blended optimizer `sgd_share` (its momentum-SGD share at the

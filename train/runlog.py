@@ -52,6 +52,7 @@ class RunLog:
 
     def workers(self, step: int, ranks: int, per_rank: int, steps: int = 1) -> None:
         """Horovod Elastic changed the workers; the run goes on from its commit at `step`."""
+        self._accumulation(steps)
         self.metrics(kind="workers", step=step, ranks=ranks, batch_size=per_rank, accumulation_steps=steps,
                      seconds=self.seconds())
         self.print(f"workers changed: {ranks} rank(s) x batch {per_rank}{accumulated(steps)}, from the commit at step {step}")
@@ -169,12 +170,16 @@ class RunLog:
         """Batch-size control: the global batch from this epoch on (the first epoch's is the setup's
         global_batch_size), and the accumulation steps where they change with it."""
         self._event(K.GLOBAL_BATCH_SIZE, global_batch, epoch_num=epoch)
-        if steps != self.accumulation_steps:
-            self._event(K.GRADIENT_ACCUMULATION_STEPS, steps, epoch_num=epoch)
-            self.accumulation_steps = steps
+        self._accumulation(steps, epoch_num=epoch)
         self.metrics(kind="batch", step=step, epoch=epoch, global_batch=global_batch, batch_size=per_rank,
                      accumulation_steps=steps)
         self.print(f"epoch {epoch}: global batch {global_batch} ({per_rank} per rank{accumulated(steps)})")
+
+    def _accumulation(self, steps: int, **metadata) -> None:
+        """MLLOG's gradient_accumulation_steps again where it changes (a batch phase, new workers)."""
+        if steps != self.accumulation_steps:
+            self._event(K.GRADIENT_ACCUMULATION_STEPS, steps, **metadata)
+            self.accumulation_steps = steps
 
     def replicas(self, step: int, ranks: int, differing: int) -> None:
         self.metrics(kind="replicas", step=step, ranks=ranks, differing_from_rank0=differing)

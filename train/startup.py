@@ -18,12 +18,13 @@ from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
 from models import build_model, first_misfit
 from train import checkpoint, engines, runlock
+from train.batches import accumulates, batch_sizes, phase_split
+from train.compiled import GRAPH_MODES
 from train.config import DEFINING, Config, Run, to_dict
 from train.device_choices import choose_loader, default_batch
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision, check_crop
-from train.batches import batch_sizes, phase_split
 from train.rules import DEFAULT_PER_RANK_BATCH, lr_and_warmup
 from train.schedule import EpochClock, batch_changes, batch_phases, crop_note, training_crops
 
@@ -71,6 +72,7 @@ def prepare(cfg: Config) -> Setup:
     # one name, whatever each rank's clock says (Horovod Elastic has no collective for it: make_out_dir refuses)
     out_dir = cfg.out_dir or ("" if engine.elastic else engine.broadcast_object(_default_out_dir(cfg)))
     run, loader, precision, data_dir, notes, init, warnings = on_every_rank(engine, lambda: checked_setup(cfg, engine, out_dir))
+    engine.cfg = run  # (from here on the resolved settings: DDP's static_graph follows the accumulation steps chosen)
     loader, relisted = same_sample_lists(engine, run, precision, data_dir, loader)
     out_dir, lock = on_every_rank(engine, lambda: make_out_dir(run, engine))
     return Setup(cfg=run, engine=engine, precision=precision,
@@ -209,6 +211,9 @@ def checked_setup(cfg: Config, engine, out_dir: str):
                    accumulation_steps=steps, largest_batch=largest,
                    bn_ghost_group=ghost_group(cfg, global_batch, engine.world_size, steps, largest))
     check_batch_phases(run, engine.world_size, loader.train_images)
+    if run.compile and run.compile_mode in GRAPH_MODES and accumulates(run):
+        raise UsageError(f"--compile-mode {run.compile_mode} replays CUDA graphs, which overwrite one pass's gradients "
+                         "with the next's when batches accumulate; use --compile-mode default or one batch per step")
     init = init_weights(run) if run.init_from and not run.resume else None  # loaded into the model by the loop
     # read-only checks of the run directory the user named: rank 0's verdict reaches the others through
     # on_every_rank(); under Horovod Elastic (no collective there) every rank reads the same files and decides alike
@@ -336,7 +341,9 @@ def split_batch(cfg: Config, engine, precision: str, largest_crop: int) -> tuple
     # (the memory model: where the batch is chosen, or derived from the global batch)
     fitting, note = (default_batch(engine.device, precision, largest_crop, cfg.arch) if on_gpu and not cfg.batch_size
                      else (DEFAULT_PER_RANK_BATCH, ""))
-    if cfg.saved_batch:
+    if cfg.saved_batch and cfg.division == "closed":  # (MLPerf's closed division: one N for the whole run)
+        batch, total, steps = batch_sizes(0, total, world_size, fitting, cfg.saved_batch[1])
+    elif cfg.saved_batch:
         kept, _ = cfg.saved_batch
         if total % (world_size * kept) == 0:
             batch, steps = kept, total // (world_size * kept)

@@ -10,12 +10,12 @@ import weakref
 import torch
 from torch.profiler import record_function
 
+from train.batches import accumulates
 from train.engines.launch import detect_launch, local_device
 from train.engines.network import collective_timeout, set_library_timeouts, watch_refusals
 from train.engines.topology import Topology
 from train.engines.wire import choose as choose_wire, into_wire, split_average
 from train.errors import UsageError
-from train.batches import accumulates
 
 
 class TorchDistributed(Topology):
