@@ -156,6 +156,24 @@ def test_an_accumulating_run_that_evaluates_passes_the_compliance_checker(divisi
         assert all("eval_accuracy" in line and "0.7590" in line for line in problems), problems
 
 
+@pytest.mark.slow(seconds=30)
+def test_a_batch_phase_beyond_what_a_rank_holds_accumulates_more_and_says_so(tmp_path):
+    """One CPU process (256 per rank at most): global batch 512 as 256 x 2, then 1,024 from epoch 2 as 256
+    x 4: the line, the metrics' batch record and MLLOG's gradient_accumulation_steps again, for epoch 2."""
+    result = run_train("--out-dir", "run", *TINY, "--image-size", 16, "--synthetic-images", 1024, "--epochs", 2,
+                       "--global-batch-size", 512, "--batch-schedule", "1:1024", "--eval-every", 0, "--threads", 2,
+                       cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "1 rank(s) x batch 256 x 2 accumulated = global batch 512" in result.stdout, result.stdout
+    assert "epoch 2: global batch 1024 (256 per rank x 4 accumulated)" in result.stdout, result.stdout
+    change = next(r for r in read_metrics(tmp_path / "run") if r["kind"] == "batch")
+    assert (change["step"], change["batch_size"], change["accumulation_steps"]) == (2, 256, 4), change
+    steps = [json.loads(line.split(":::MLLOG ", 1)[1]) for line in (tmp_path / "run" / "mllog.txt").read_text().splitlines()
+             if "gradient_accumulation_steps" in line]
+    assert [(e["value"], e["metadata"].get("epoch_num")) for e in steps] == [(2, None), (4, 2)], steps
+
+
+@pytest.mark.slow
 def test_show_recipe_shows_each_epochs_accumulation(tmp_path):
     # one process on a CPU: batches of 256 per rank at most, so a global batch of 1,024 accumulates 4
     result = run_train("--show-recipe", "--global-batch-size", 1024, "--epochs", 3, cwd=tmp_path)
