@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, child_env, read_metrics, run_module, run_train
+from helpers import REPO, child_env, read_metrics, run_module, run_train, script_options
 
 TINY = ["--arch", "resnet18", "--image-size", 32, "--threads", 1]
 # 1600 synthetic images in batches of 16: 100 steps an epoch; --warmup-epochs 1 at --lr 4 makes the
@@ -168,15 +168,17 @@ def test_a_flipped_call_is_the_mean_of_the_logits_of_the_batch_and_of_its_mirror
 
 # scripts/bench/time_to_accuracy.py -----------------------------------------------------------------
 def test_time_to_accuracy_help_describes_every_option():
-    done = subprocess.run([sys.executable, REPO / "scripts" / "bench" / "time_to_accuracy.py", "--help"], cwd=REPO,
-                          env=child_env(), capture_output=True, text=True, timeout=60)
-    assert done.returncode == 0, done.stderr
-    options = done.stdout.split("\noptions:\n", 1)[1]
-    entries = re.split(r"\n(?=  -)", options.strip("\n"))  # (one per option: its line and the help's next lines)
-    said = {}
-    for entry in entries:
-        first, *more = entry.splitlines()
-        invocation, _, help_text = first.strip().partition("  ")
-        said[invocation.split()[0].rstrip(",")] = " ".join([help_text, *more]).strip()
+    said = script_options(REPO / "scripts" / "bench" / "time_to_accuracy.py")
     assert set(said) == {"-h", "--out", "--datasets", "--methods", "--seeds", "--epochs", "--table"}, said
     assert [option for option, text in said.items() if not text] == []
+
+
+# scripts/bench/accumulation.py --------------------------------------------------------------------
+def test_accumulation_bench_options_have_help_and_are_documented():
+    said = script_options(REPO / "scripts" / "bench" / "accumulation.py")
+    said.pop("-h")
+    assert {"--quick", "--report", "--accumulation-steps", "--repeats"} <= set(said), said
+    assert [option for option, text in said.items() if not text] == []
+    docs = (REPO / "docs" / "bench.md").read_text()
+    section = docs.split("## `scripts/bench/accumulation.py`", 1)[1].split("\n## ", 1)[0]
+    assert [option for option in said if option not in section] == []

@@ -106,6 +106,21 @@ def compliance(mllog: Path, cwd: Path) -> subprocess.CompletedProcess:
 BIN = Path(sys.executable).parent
 
 
+def script_options(script: Path) -> dict[str, str]:
+    """A script's options as its --help lists them: option -> its help text ("" when it has none)."""
+    import re
+    done = subprocess.run([sys.executable, script, "--help"], cwd=REPO, env=child_env(), capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    options = done.stdout.split("\noptions:\n", 1)[1]
+    said = {}
+    for entry in re.split(r"\n(?=  -)", options.strip("\n")):  # (one per option: its line and the help's next lines)
+        first, *more = entry.splitlines()
+        invocation, _, help_text = first.strip().partition("  ")
+        said[invocation.split()[0].rstrip(",")] = " ".join([help_text, *more]).strip()
+    return said
+
+
 def child_env(**extra) -> dict:
     """This environment, with the checkout first on PYTHONPATH (what was there stays after it)."""
     path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
