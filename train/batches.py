@@ -4,6 +4,7 @@ what start-up chooses where they leave it open, and how a --batch-schedule phase
 (docs/accumulation.md has the table). The run's trajectory depends on the global batch and the per-rank
 batch only: R ranks x N steps and R x N ranks x 1 step are the same run (data/sharding.py).
 """
+from train.device_choices import default_batch
 from train.errors import UsageError
 from train.rules import DEFAULT_PER_RANK_BATCH
 from train.schedule import batch_phases
@@ -96,3 +97,30 @@ def accumulates(run) -> bool:
 def epoch_split(run, epoch: int) -> tuple[int, int, int]:
     """(global batch, per-rank batch, accumulation steps) of a resolved run's 0-based `epoch`."""
     return [phase[1:] for phase in split_phases(run) if epoch >= phase[0]][-1]
+
+
+def split_batch(cfg, engine, precision: str, largest_crop: int) -> tuple[int, int, int, int, str]:
+    """(per-rank batch, global batch, accumulation steps, the largest per-rank batch a later batch phase
+    may take, the header's note on how the batch was chosen) for this rank count. The batch that fits a
+    GPU comes from the memory model at the run's largest training crop (--resolution-schedule's end);
+    on a CPU it is 256. A continued run (cfg.saved_batch) keeps its per-rank batch where the ranks x
+    that batch divide its global batch, changing the accumulation steps; elsewhere the per-rank batch
+    follows the rank count."""
+    world_size, total, on_gpu = engine.world_size, cfg.global_batch_size, engine.device.type == "cuda"
+    # (the memory model: where the batch is chosen, or derived from the global batch)
+    fitting, note = (default_batch(engine.device, precision, largest_crop, cfg.arch) if on_gpu and not cfg.batch_size
+                     else (DEFAULT_PER_RANK_BATCH, ""))
+    if cfg.saved_batch and cfg.division == "closed":  # (MLPerf's closed division: one N for the whole run)
+        batch, total, steps = batch_sizes(0, total, world_size, fitting, cfg.saved_batch[1])
+    elif cfg.saved_batch:
+        kept, _ = cfg.saved_batch
+        if total % (world_size * kept) == 0:
+            batch, steps = kept, total // (world_size * kept)
+        else:
+            batch, total, steps = batch_sizes(0, total, world_size, max(kept, fitting))
+    else:
+        batch, total, steps = batch_sizes(cfg.batch_size, total, world_size, fitting, cfg.accumulation_steps,
+                                          fitting if on_gpu else 0)
+    chose = not (cfg.batch_size or cfg.saved_batch) and (
+        not cfg.global_batch_size or (steps > 1 and not cfg.accumulation_steps))
+    return batch, total, steps, max(batch, fitting), note if chose else ""

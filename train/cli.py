@@ -177,21 +177,7 @@ def parse(argv: list[str]) -> Config:
         for partner in partners if name in flags else ():
             if partner not in flags:
                 values[partner] = FIELDS[partner].default
-    run_config = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config") if values.get("restarted") else {}
-    # (a restart whose command names the run's own global batch is the same command started again)
-    restart = values.get("restarted") and flags.get("global_batch_size", run_config.get("global_batch_size")) == \
-        run_config.get("global_batch_size")
-    if restart or (from_saved and not flags.get("test_only") and not set(BATCH_FLAGS) & set(flags)):
-        # the global batch defines the run: started again on another rank count (an elastic launcher's restart,
-        # a requeue on a smaller allocation), it keeps it, and keeps its per-rank batch where the rank count
-        # divides, by accumulating more or fewer steps (startup.split_batch); a restart's own --batch-size and
-        # --accumulation-steps are not taken
-        saved = values if from_saved else run_config
-        if saved.get("global_batch_size"):
-            kept = (saved.get("batch_size") or saved["global_batch_size"], saved.get("accumulation_steps") or 1)
-            command = (flags.pop("batch_size", 0), flags.pop("accumulation_steps", 0)) if restart else ()
-            values.update(batch_size=0, global_batch_size=saved["global_batch_size"], accumulation_steps=0,
-                          saved_batch=kept, command_batch=command)
+    keep_saved_batch(values, flags, out_dir, from_saved)
     leave_out_sizes(values, flags, out_dir, "the run's saved config" if from_saved else f"preset {preset}")
     values.update(flags, flags_given=given)
     if values.get("resolution_schedule", "").strip().lower() in NO_RAMP:
@@ -202,6 +188,25 @@ def parse(argv: list[str]) -> Config:
         values["tensorboard"] = False  # on by default only where it is installed
     return validate(Config(**values))
 
+
+
+def keep_saved_batch(values: dict, flags: dict, out_dir: str, from_saved: bool) -> None:
+    """The global batch defines the run: started again (a restart: an elastic launcher's, a requeue on a
+    smaller allocation; or --resume without batch flags), it keeps it, and keeps its per-rank batch where
+    the new rank count divides, by accumulating more or fewer steps (batches.split_batch). A restart's
+    own --batch-size and --accumulation-steps are not taken; a restart whose command names the run's own
+    global batch is the same command started again."""
+    run_config = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config") if values.get("restarted") else {}
+    restart = values.get("restarted") and flags.get("global_batch_size", run_config.get("global_batch_size")) == \
+        run_config.get("global_batch_size")
+    if not (restart or (from_saved and not flags.get("test_only") and not set(BATCH_FLAGS) & set(flags))):
+        return
+    saved = values if from_saved else run_config
+    if saved.get("global_batch_size"):
+        kept = (saved.get("batch_size") or saved["global_batch_size"], saved.get("accumulation_steps") or 1)
+        command = (flags.pop("batch_size", 0), flags.pop("accumulation_steps", 0)) if restart else ()
+        values.update(batch_size=0, global_batch_size=saved["global_batch_size"], accumulation_steps=0,
+                      saved_batch=kept, command_batch=command)
 
 # The values each number setting may take: (test, what the refusal says it must be). A float must be
 # finite as well; every int and float field has an entry (tests/test_validation.py checks).

@@ -18,10 +18,10 @@ from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
 from models import build_model, first_misfit
 from train import checkpoint, engines, runlock
-from train.batches import accumulates, batch_sizes, phase_split
+from train.batches import accumulates, phase_split, split_batch
 from train.compiled import GRAPH_MODES
 from train.config import DEFINING, Config, Run, to_dict
-from train.device_choices import choose_loader, default_batch
+from train.device_choices import choose_loader
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision, check_crop
@@ -72,7 +72,8 @@ def prepare(cfg: Config) -> Setup:
     # one name, whatever each rank's clock says (Horovod Elastic has no collective for it: make_out_dir refuses)
     out_dir = cfg.out_dir or ("" if engine.elastic else engine.broadcast_object(_default_out_dir(cfg)))
     run, loader, precision, data_dir, notes, init, warnings = on_every_rank(engine, lambda: checked_setup(cfg, engine, out_dir))
-    engine.cfg = run  # (from here on the resolved settings: DDP's static_graph follows the accumulation steps chosen)
+    if hasattr(engine, "cfg"):  # (the distributed engines' settings: resolved from here on, for DDP's static_graph)
+        engine.cfg = run
     loader, relisted = same_sample_lists(engine, run, precision, data_dir, loader)
     out_dir, lock = on_every_rank(engine, lambda: make_out_dir(run, engine))
     return Setup(cfg=run, engine=engine, precision=precision,
@@ -328,33 +329,6 @@ def _check_resume_position(cfg: Config, loader) -> None:
         raise UsageError(f"{cfg.out_dir} stopped at step {saved['step']} (step {in_epoch} of epoch {epoch + 1}), which "
                          "these batch settings do not reach that way; resume with the run's own --global-batch-size "
                          "and --batch-schedule")
-
-
-def split_batch(cfg: Config, engine, precision: str, largest_crop: int) -> tuple[int, int, int, int, str]:
-    """(per-rank batch, global batch, accumulation steps, the largest per-rank batch a later batch phase
-    may take, the header's note on how the batch was chosen) for this rank count. The batch that fits a
-    GPU comes from the memory model at the run's largest training crop (--resolution-schedule's end);
-    on a CPU it is 256. A continued run (cfg.saved_batch) keeps its per-rank batch where the ranks x
-    that batch divide its global batch, changing the accumulation steps; elsewhere the per-rank batch
-    follows the rank count."""
-    world_size, total, on_gpu = engine.world_size, cfg.global_batch_size, engine.device.type == "cuda"
-    # (the memory model: where the batch is chosen, or derived from the global batch)
-    fitting, note = (default_batch(engine.device, precision, largest_crop, cfg.arch) if on_gpu and not cfg.batch_size
-                     else (DEFAULT_PER_RANK_BATCH, ""))
-    if cfg.saved_batch and cfg.division == "closed":  # (MLPerf's closed division: one N for the whole run)
-        batch, total, steps = batch_sizes(0, total, world_size, fitting, cfg.saved_batch[1])
-    elif cfg.saved_batch:
-        kept, _ = cfg.saved_batch
-        if total % (world_size * kept) == 0:
-            batch, steps = kept, total // (world_size * kept)
-        else:
-            batch, total, steps = batch_sizes(0, total, world_size, max(kept, fitting))
-    else:
-        batch, total, steps = batch_sizes(cfg.batch_size, total, world_size, fitting, cfg.accumulation_steps,
-                                          fitting if on_gpu else 0)
-    chose = not (cfg.batch_size or cfg.saved_batch) and (
-        not cfg.global_batch_size or (steps > 1 and not cfg.accumulation_steps))
-    return batch, total, steps, max(batch, fitting), note if chose else ""
 
 
 def check_batch_phases(cfg: Run, world_size: int, train_images: int) -> None:
