@@ -81,6 +81,7 @@ def test_a_static_graph_run_that_accumulates_trains_on_two_ranks(tmp_path):
                       cwd=tmp_path, timeout=300)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
         assert "2 rank(s) x batch 4 x 2 accumulated = global batch 16" in done.stdout, done.stdout
+        assert ("warning: --ddp-static-graph on not taken" in done.stdout) == (graph == "on"), done.stdout
     on, off = (torch.load(tmp_path / graph / "checkpoint.pt", weights_only=True)["model"] for graph in ("on", "off"))
     assert on.keys() == off.keys() and all(torch.equal(on[key], off[key]) for key in on)
 

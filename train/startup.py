@@ -227,6 +227,9 @@ def checked_setup(cfg: Config, engine, out_dir: str):
         if run.resume:
             _check_resume_position(run, loader)
     warnings = [line for line in (engine.warning, precision.warning, loader_warning) if line]
+    if engine.name == "torch" and run.ddp_static_graph == "on" and accumulates(run):
+        warnings.append("--ddp-static-graph on not taken: DDP's static graph cannot be combined with the passes whose "
+                        "gradients accumulate (docs/accumulation.md)")
     notes = {"lr": note, "batch": batch_note, "crops": crop_note(cfg)}
     return run, loader, precision, data_dir, notes, init, warnings
 
