@@ -172,7 +172,8 @@ def test_torchrun_loses_node2_for_good_finishes_on_node1_and_takes_it_back(clust
     assert records(run_dir, "topology")[-1]["hosts"] == ["node1", "node2"]  # it joined again
     resumes = records(run_dir, "resume")
     assert len(resumes) == 2 and resumes[0]["step"] >= at["step"], resumes
-    assert "1 rank(s) x batch 8 = global batch 8" in logs
+    # (node1 alone keeps the per-rank batch of 4 and accumulates 2: 1 x 4 divides the global batch of 8)
+    assert "1 rank(s) x batch 4 x 2 accumulated = global batch 8" in logs
     epochs = [r for r in records(run_dir, "epoch") if r["epoch"] in (1.0, 2.0, 3.0)]
     assert [r["step"] for r in epochs] == [32, 64, 96], epochs
     for record in epochs:

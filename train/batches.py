@@ -4,7 +4,6 @@ what start-up chooses where they leave it open, and how a --batch-schedule phase
 (docs/accumulation.md has the table). The run's trajectory depends on the global batch and the per-rank
 batch only: R ranks x N steps and R x N ranks x 1 step are the same run (data/sharding.py).
 """
-from train.device_choices import default_batch
 from train.errors import UsageError
 from train.rules import DEFAULT_PER_RANK_BATCH
 from train.schedule import batch_phases
@@ -106,6 +105,7 @@ def split_batch(cfg, engine, precision: str, largest_crop: int) -> tuple[int, in
     on a CPU it is 256. A continued run (cfg.saved_batch) keeps its per-rank batch where the ranks x
     that batch divide its global batch, changing the accumulation steps; elsewhere the per-rank batch
     follows the rank count."""
+    from train.device_choices import default_batch  # (torch: not for the planner's fast --help)
     world_size, total, on_gpu = engine.world_size, cfg.global_batch_size, engine.device.type == "cuda"
     # (the memory model: where the batch is chosen, or derived from the global batch)
     fitting, note = (default_batch(engine.device, precision, largest_crop, cfg.arch) if on_gpu and not cfg.batch_size

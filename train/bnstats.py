@@ -115,7 +115,7 @@ class StepStatistics:
         modules = _batchnorms(model)
         self.buffers = [b for m in modules for b in (m.running_mean, m.running_var)]
         self.counts = [m.num_batches_tracked for m in modules if m.num_batches_tracked is not None]
-        self.start = self.sums = None
+        self.at_start = self.sums = None
 
     def before_pass(self, index: int) -> None:
         """Before pass `index` (0-based) of a step: the step's statistics kept (first pass), or the last
@@ -123,14 +123,14 @@ class StepStatistics:
         if not self.buffers:
             return
         if index == 0:
-            self.start = [b.clone() for b in self.buffers + self.counts]
+            self.at_start = [b.clone() for b in self.buffers + self.counts]
             self.sums = None
             return
         if self.sums is None:
             self.sums = [b.clone() for b in self.buffers]
         else:
             torch._foreach_add_(self.sums, self.buffers)
-        torch._foreach_copy_(self.buffers + self.counts, self.start)
+        torch._foreach_copy_(self.buffers + self.counts, self.at_start)
 
     def after_step(self, passes: int) -> None:
         """After the step's last pass: the mean over its passes, and the batch count one more than at the start."""
@@ -139,5 +139,5 @@ class StepStatistics:
         torch._foreach_add_(self.sums, self.buffers)
         torch._foreach_div_(self.sums, passes)
         torch._foreach_copy_(self.buffers, self.sums)
-        for count, start in zip(self.counts, self.start[len(self.buffers):]):
+        for count, start in zip(self.counts, self.at_start[len(self.buffers):]):
             count.copy_(start + 1)

@@ -21,7 +21,9 @@ GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that 
 def run_shapes(cfg, schedule, world_size: int) -> int:
     """How many input shapes the model meets in a run of these settings and schedule (the module
     docstring lists them)."""
-    training = {(schedule.image_size(epoch), epoch_split(cfg, epoch)[1]) for epoch in range(cfg.epochs)}
+    # (the per-rank batch of a pass: the global batch over the ranks and the epoch's accumulation steps)
+    training = {(schedule.image_size(epoch), schedule.global_batch(epoch) // (world_size * epoch_split(cfg, epoch)[2]))
+                for epoch in range(cfg.epochs)}
     return len(training) + bool(cfg.eval_every) + bool(cfg.bn_recompute_batches)
 
 
