@@ -49,10 +49,11 @@ def batch_sizes(batch_size: int, global_batch_size: int, world_size: int, defaul
     return batch, total, steps
 
 
-def fewest_steps(per_rank: int, largest: int) -> int:
-    """The fewest accumulation steps that split a rank's share of a global batch into whole batches of
-    at most `largest` images (1 when the share is no larger; the share itself, batches of 1, at worst)."""
-    return next(steps for steps in range(1, per_rank + 1) if per_rank % steps == 0 and per_rank // steps <= largest)
+def fewest_steps(per_rank: int, largest: int, at_least: int = 1) -> int:
+    """The fewest accumulation steps, from `at_least` on, that split a rank's share of a global batch into
+    whole batches of at most `largest` images (the share itself, batches of 1, at worst)."""
+    splits = (steps for steps in range(at_least, per_rank + 1) if per_rank % steps == 0 and per_rank // steps <= largest)
+    return next(splits, per_rank)
 
 
 def _ways(total: int, world_size: int, largest: int) -> str:
@@ -73,7 +74,7 @@ def phase_split(global_batch: int, world_size: int, steps: int, largest: int) ->
     share = global_batch // world_size
     if share % steps == 0 and share // steps <= largest:
         return share // steps, steps
-    more = next((n for n in range(steps, share + 1) if share % n == 0 and share // n <= largest), share)
+    more = fewest_steps(share, largest, at_least=steps)
     return share // more, more
 
 
