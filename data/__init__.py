@@ -16,6 +16,7 @@ _NAMES = {"DataError": "data.tree", "check_tree": "data.tree", "Loader": "data.l
           "LoaderSettings": "data.loaders", "SyntheticLoader": "data.loaders", "TorchLoader": "data.torch_loader",
           "DaliLoader": "data.dali"}
 _LOADERS = {"torch": "TorchLoader", "dali": "DaliLoader", "synthetic": "SyntheticLoader"}  # --loader NAME
+LOADER_NAMES = tuple(_LOADERS)  # (without torch: train/config.py lists them for --help)
 
 
 def __getattr__(name: str):
@@ -37,4 +38,4 @@ def build_loader(name: str, settings, rank: int, world_size: int, device):
     return loader(settings, check_tree(settings.data_dir), rank, world_size, device)
 
 
-__all__ = ["LOADERS", "DataError", "Loader", "LoaderSettings", "build_loader"]
+__all__ = ["LOADERS", "LOADER_NAMES", "DataError", "Loader", "LoaderSettings", "build_loader"]

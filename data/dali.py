@@ -128,7 +128,7 @@ class DaliLoader(FileLoader):
         gpu = device.type == "cuda"
         # --dali-decode: on a GPU nvJPEG decodes ('mixed') unless the CPU is asked to; then the decoded,
         # cropped and resized images go to the GPU, where they are normalised
-        self.decode_device = "mixed" if gpu and getattr(cfg, "dali_decode", "auto") != "cpu" else "cpu"
+        self.decode_device = "mixed" if gpu and cfg.dali_decode != "cpu" else "cpu"
         self.to_gpu = gpu and self.decode_device == "cpu"
         # DALI's CPU threads: decoding on the CPU, --workers of them; feeding nvJPEG, at least
         # GPU_DECODE_THREADS (--workers' default, 4, is below what NVIDIA's MLPerf runs give each GPU)

@@ -17,31 +17,39 @@ from data.tree import DataError
 
 @dataclass(frozen=True)
 class LoaderSettings:
-    """What a loader is told: the few settings of the run that shape its batches."""
-    data_dir: str = ""
-    batch_size: int = 256  # per rank
-    accumulation_steps: int = 1  # batches per optimizer step (0: 1)
-    image_size: int = 224  # of training crops
-    eval_image_size: int = 0  # of evaluation crops (0: image_size)
-    workers: int = 4
-    seed: int = 0
-    channels_last: bool = True
-    precision: str = "fp32"  # the run's resolved precision (fp32 | bf16 | fp16): DALI hands out fp16 for fp16
-    dali_decode: str = "auto"  # --loader dali: where JPEGs are decoded (auto: on the GPU where there is one)
-    crop_min_scale: float = 0.08
-    crop_max_scale: float = 1.0
-    crop_min_aspect: float = 3 / 4
-    crop_max_aspect: float = 4 / 3
-    synthetic_images: int = 1_281_167
-    synthetic_val_images: int = 50_000
-    synthetic_classes: int = 1000
-    evaluate_only: bool = False  # --test-only: the training split is not read, so its size is not checked
-    relist: bool = False  # list the folders again, trusting no index (the ranks' lists differed: data/index.py)
+    """What a loader is told: the few settings of the run that shape its batches, under the run's
+    settings' names and with no defaults here (the run's settings hold them: `of`), and two things
+    the caller says of this loader (the last two fields)."""
+    data_dir: str
+    batch_size: int  # per rank
+    accumulation_steps: int  # batches per optimizer step (0: 1)
+    image_size: int  # of training crops
+    eval_image_size: int  # of evaluation crops (0: image_size)
+    workers: int
+    seed: int
+    channels_last: bool
+    precision: str  # the run's resolved precision (fp32 | bf16 | fp16): DALI hands out fp16 for fp16
+    dali_decode: str  # --loader dali: where JPEGs are decoded (auto: on the GPU where there is one)
+    crop_min_scale: float
+    crop_max_scale: float
+    crop_min_aspect: float
+    crop_max_aspect: float
+    synthetic_images: int
+    synthetic_val_images: int
+    synthetic_classes: int
+    evaluate_only: bool  # --test-only: the training split is not read, so its size is not checked
+    relist: bool  # list the folders again, trusting no index (the ranks' lists differed: data/index.py)
 
     @classmethod
-    def of(cls, settings, **changes) -> "LoaderSettings":
-        """The loader's settings out of any object that has them as attributes (the run's config)."""
-        return cls(**{**{f.name: getattr(settings, f.name, f.default) for f in fields(cls)}, **changes})
+    def of(cls, settings, *, evaluate_only: bool = False, relist: bool = False, **changes) -> "LoaderSettings":
+        """The loader's settings out of the run's (any object that has them as attributes, each of
+        them: an AttributeError names one it lacks), with `changes` over them."""
+        taken = {name: getattr(settings, name) for name in RUN_SETTINGS if name not in changes}
+        return cls(**taken, **changes, evaluate_only=evaluate_only, relist=relist)
+
+
+# the fields of LoaderSettings that are the run's settings (the others are what the caller says)
+RUN_SETTINGS = tuple(f.name for f in fields(LoaderSettings) if f.name not in ("evaluate_only", "relist"))
 
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -51,7 +59,7 @@ EVAL_CROP_FRACTION = 0.875  # resize the shorter side to size/0.875, then centre
 
 def eval_size(cfg) -> int:
     """The evaluation crop size of a loader's settings (LoaderSettings, or the run's config)."""
-    return getattr(cfg, "eval_image_size", 0) or cfg.image_size
+    return cfg.eval_image_size or cfg.image_size
 
 
 def eval_geometry(height: int, width: int, size: int) -> tuple[int, int, int, int]:
@@ -109,6 +117,11 @@ class Loader:
         """Batch-size control: this rank's training batch and the batches per optimizer step (and so the
         steps per epoch) from the next train_batches on. Every image still appears once per epoch."""
         raise NotImplementedError
+
+    @property
+    def batch_split(self) -> tuple[int, int]:
+        """The per-rank batch and the batches per optimizer step it runs at now (set_batch_size's)."""
+        return self.sampler.batch_size, self.sampler.accumulation
 
     def set_image_size(self, size: int) -> None:
         """Progressive resizing: this rank's training crops are `size` px from the next train_batches on

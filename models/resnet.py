@@ -6,11 +6,7 @@ downsampling bottleneck, which is what "v1.5" means.
 import torch
 import torchvision
 
-ARCHS = (
-    "resnet18", "resnet34", "resnet50", "resnet101", "resnet152",
-    "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d",
-    "wide_resnet50_2", "wide_resnet101_2",
-)
+from models import ARCHS
 
 
 def build_model(arch: str = "resnet50", num_classes: int = 1000, zero_init_residual: bool = False,

@@ -517,9 +517,9 @@ def planner_img_s(gpu: str, batch: int, image_size: int) -> float | None:
     its 224 px)."""
     if image_size != 224:
         return None
-    from train.plan.cli import parser, plans, setup_of
+    from train.plan.cli import parser, plans, system_of
     args = parser().parse_args(["--gpu", gpu, "--gpus", "1", "--per-gpu-batch", str(batch)])
-    return round(plans(setup_of(args), [1])[0][0]["img_per_s_per_gpu"], 1)
+    return round(plans(system_of(args), [1])[0][0]["img_per_s_per_gpu"], 1)
 
 
 def summary(figures: dict) -> list[str]:

@@ -228,10 +228,12 @@ def test_one_batch_flag_on_resume_leaves_the_saved_runs_other_values_to_start_up
 def test_a_closed_division_run_continued_on_other_ranks_keeps_its_steps():
     from train.config import Config
     from train.batches import split_batch
+    from train.rundir import Start
     engine = SimpleNamespace(world_size=2, device=torch.device("cpu"))
-    saved = dict(global_batch_size=32, saved_batch=(8, 4))  # 1 rank x 8 x 4 before
-    assert split_batch(Config(**saved), engine, "fp32", 224)[:3] == (8, 32, 2)  # open: the batch kept, N follows
-    assert split_batch(Config(division="closed", **saved), engine, "fp32", 224)[:3] == (4, 32, 4)  # one N, MLPerf's rule
+    saved = dict(global_batch_size=32)
+    start = Start("restart", "", True, saved_batch=(8, 4))  # 1 rank x 8 x 4 before
+    assert split_batch(Config(**saved), engine, "fp32", 224, start)[:3] == (8, 32, 2)  # open: the batch kept, N follows
+    assert split_batch(Config(division="closed", **saved), engine, "fp32", 224, start)[:3] == (4, 32, 4)  # one N, MLPerf's rule
 
 
 @pytest.mark.slow(seconds=10)

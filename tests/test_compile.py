@@ -104,11 +104,11 @@ def test_a_run_counts_one_shape_per_crop_size_and_per_rank_batch_and_one_per_eva
     its change; BatchNorm's recomputation one more; no evaluation, one less."""
     from train.cli import parse
     from train.compiled import run_shapes
-    from train.schedule import EpochClock, build_schedule
+    from train.schedule import EpochClock, EpochPlan
 
     def shapes(*flags, ranks=1):
         cfg = parse(["--preset", "ffcv-rn50-88ep", *map(str, flags)])
-        return run_shapes(cfg, build_schedule(cfg, EpochClock.of(cfg, 1_281_167)), ranks)
+        return run_shapes(cfg, EpochPlan.of(cfg, EpochClock.of(cfg, 1_281_167)), ranks)
     assert shapes() == 3
     assert shapes("--batch-schedule", "70:2048", ranks=4) == 4  # (160, 256), (192, 256), (192, 512), eval
     assert shapes("--bn-recompute-batches", 4) == 4
@@ -136,12 +136,12 @@ def test_a_resolution_ramp_compiles_once_per_crop_size_and_no_shape_past_the_run
     variables, the third not at all) and with the limit left as it was (the third size runs eagerly)."""
     from train.compiled import compile_in_place, run_shapes
     from train.config import Config
-    from train.schedule import EpochClock, build_schedule
+    from train.schedule import EpochClock, EpochPlan
     cfg = Config(image_size=16, resolution_schedule="16:32:0:2:8", epochs=3, global_batch_size=4, eval_every=1,
                  lr=1.0, warmup_epochs=0)
-    schedule = build_schedule(cfg, EpochClock.of(cfg, 8))
-    sizes = [schedule.image_size(epoch) for epoch in range(cfg.epochs)]
-    assert sizes == [16, 24, 32] and run_shapes(cfg, schedule, world_size=1) == 4
+    plan = EpochPlan.of(cfg, EpochClock.of(cfg, 8))
+    sizes = [plan.image_size(epoch) for epoch in range(cfg.epochs)]
+    assert sizes == [16, 24, 32] and run_shapes(cfg, plan, world_size=1) == 4
     compiled = []  # per graph compiled: the shape of its images and whether it trains
 
     def recording(graph, inputs):
@@ -151,7 +151,7 @@ def test_a_resolution_ramp_compiles_once_per_crop_size_and_no_shape_past_the_run
         return graph.forward
 
     model = build_model("resnet18", 10)
-    compile_in_place(model, "default", run_shapes(cfg, schedule, 1), backend=recording)
+    compile_in_place(model, "default", run_shapes(cfg, plan, 1), backend=recording)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     images = lambda size: torch.randn(4, 3, size, size).contiguous(memory_format=torch.channels_last)  # noqa: E731
     for size in sizes:

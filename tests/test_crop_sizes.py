@@ -10,7 +10,7 @@ import yaml
 
 from helpers import read_metrics, run_train
 from helpers.gpu import require_dali
-from train import schedule
+from train import crops
 from train.cli import parse
 from train.command import CommandParser
 from train.errors import UsageError
@@ -33,7 +33,7 @@ def refusal(*argv) -> str:
 def test_an_explicit_image_size_leaves_the_presets_ramp_and_evaluation_size_out_and_says_so():
     cfg = parse([*FFCV_88, "--image-size", "32"])
     assert (cfg.image_size, cfg.resolution_schedule, cfg.eval_image_size, cfg.eval_flip) == (32, "", 0, True)
-    note = schedule.crop_note(cfg)
+    note = crops.crop_note(cfg)
     assert note == ("--resolution-schedule 160:192:65:76 and --eval-image-size 256 of preset ffcv-rn50-88ep left out: "
                     "--image-size 32 given"), note
 
@@ -41,9 +41,9 @@ def test_an_explicit_image_size_leaves_the_presets_ramp_and_evaluation_size_out_
 def test_an_explicit_image_size_keeps_an_evaluation_size_given_with_it():
     cfg = parse([*FFCV_88, "--image-size", "32", "--eval-image-size", "40"])
     assert (cfg.resolution_schedule, cfg.eval_image_size) == ("", 40)
-    assert schedule.crop_note(cfg) == "--resolution-schedule 160:192:65:76 of preset ffcv-rn50-88ep left out: --image-size 32 given"
+    assert crops.crop_note(cfg) == "--resolution-schedule 160:192:65:76 of preset ffcv-rn50-88ep left out: --image-size 32 given"
     no_ramp = parse(["--preset", "ffcv-rn50-16ep", "--image-size", "64"])  # (a preset without a ramp)
-    assert (no_ramp.eval_image_size, schedule.crop_note(no_ramp)) == (
+    assert (no_ramp.eval_image_size, crops.crop_note(no_ramp)) == (
         0, "--eval-image-size 256 of preset ffcv-rn50-16ep left out: --image-size 64 given")
 
 
@@ -51,39 +51,39 @@ def test_the_presets_ramp_stays_without_image_size_or_with_a_ramp_given():
     assert parse(FFCV_88).resolution_schedule == "160:192:65:76"
     given = parse([*FFCV_88, "--image-size", "32", "--resolution-schedule", "24:32:0:1:8"])
     assert (given.image_size, given.resolution_schedule) == (32, "24:32:0:1:8")
-    assert schedule.crop_note(given) == "--eval-image-size 256 of preset ffcv-rn50-88ep left out: --image-size 32 given"
+    assert crops.crop_note(given) == "--eval-image-size 256 of preset ffcv-rn50-88ep left out: --image-size 32 given"
 
 
 def test_image_size_at_a_resume_leaves_the_saved_runs_ramp_out(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"image_size": 32, "resolution_schedule": "24:32:1:2:8"}))
     resumed = parse(["--resume", "--out-dir", str(tmp_path), "--image-size", "16"])
     assert (resumed.image_size, resumed.resolution_schedule) == (16, "")
-    assert schedule.crop_note(resumed).startswith("--resolution-schedule 24:32:1:2:8 of the run's saved config left out")
+    assert crops.crop_note(resumed).startswith("--resolution-schedule 24:32:1:2:8 of the run's saved config left out")
     assert parse(["--resume", "--out-dir", str(tmp_path)]).resolution_schedule == "24:32:1:2:8"
 
 
 @pytest.mark.parametrize("no_ramp", ["", "none", "off", "None"])
 def test_no_ramp_is_spelled_empty_none_or_off(no_ramp):
     cfg = parse([*FFCV_88, "--resolution-schedule", no_ramp])
-    assert (cfg.resolution_schedule, cfg.image_size, schedule.crop_note(cfg)) == ("", 192, "")  # (the preset's --image-size)
+    assert (cfg.resolution_schedule, cfg.image_size, crops.crop_note(cfg)) == ("", 192, "")  # (the preset's --image-size)
 
 
 def test_a_ramp_that_never_starts_in_the_run_names_the_crop_size_it_trains_at():
-    note = schedule.crop_note(parse(FFCV_88))  # 2 epochs; the ramp moves after 65
+    note = crops.crop_note(parse(FFCV_88))  # 2 epochs; the ramp moves after 65
     assert note == "the ramp keeps 160 px crops throughout this 2-epoch run (FROM 65)", note
     # FROM at the run's last epoch: the second epoch (epoch 1, 0-based) still trains at START
-    note = schedule.crop_note(parse(["--resolution-schedule", "24:32:1:2:8", "--epochs", "2"]))
+    note = crops.crop_note(parse(["--resolution-schedule", "24:32:1:2:8", "--epochs", "2"]))
     assert note == "the ramp keeps 24 px crops throughout this 2-epoch run (FROM 1)", note
     # moving from epoch 3 on, but by less than half of STEP by the last epoch: 160 + 16 x 7 / 11 = 170.2 rounds to 160
-    note = schedule.crop_note(parse(["--resolution-schedule", "160:176:2:13", "--epochs", "10"]))
+    note = crops.crop_note(parse(["--resolution-schedule", "160:176:2:13", "--epochs", "10"]))
     assert note == "the ramp keeps 160 px crops throughout this 10-epoch run (rounded to multiples of 32)", note
-    assert schedule.crop_note(parse(["--resolution-schedule", "24:32:0:1:8", "--epochs", "2"])) == ""  # (it moves: nothing to say)
+    assert crops.crop_note(parse(["--resolution-schedule", "24:32:0:1:8", "--epochs", "2"])) == ""  # (it moves: nothing to say)
 
 
 def test_a_shrinking_ramp_is_accepted_with_a_note():
     cfg = parse(["--resolution-schedule", "32:16:0:2:8", "--epochs", "3"])
     assert cfg.resolution_schedule == "32:16:0:2:8"
-    assert schedule.crop_note(cfg) == "the ramp shrinks the training crops from 32 to 16 px"
+    assert crops.crop_note(cfg) == "the ramp shrinks the training crops from 32 to 16 px"
 
 
 def test_the_crops_note_reaches_the_header_notes():

@@ -10,7 +10,7 @@ from data.tree import check_tree
 from data.torch_loader import TorchLoader
 from data.sharding import TrainBatchSampler, eval_batches
 from data.synthetic import ImageBank
-from train.config import Config
+from helpers import loader_settings
 
 
 def digest(root: Path) -> str:
@@ -102,7 +102,7 @@ def synthetic_loader(world: int, rank: int, **changes):
     from data.loaders import SyntheticLoader
     settings = dict(loader="synthetic", image_size=16, batch_size=8 // world, synthetic_images=64,
                     synthetic_val_images=20, synthetic_classes=10, seed=3) | changes
-    return SyntheticLoader(Config(**settings), rank, world, torch.device("cpu"))
+    return SyntheticLoader(loader_settings(**settings), rank, world, torch.device("cpu"))
 
 
 def test_synthetic_batches_are_the_same_global_batches_on_any_rank_count():
@@ -150,8 +150,8 @@ def test_a_synthetic_batch_costs_a_gather_not_a_pass_per_pixel():
 
 def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
     root = embedded.ensure_embedded(train_per_class=6, val_per_class=3, root=tmp_path)
-    cfg = Config(data_dir=str(root), image_size=32, batch_size=8, workers=0)
-    loader = TorchLoader(cfg, check_tree(str(root)), 0, 1, torch.device("cpu"))
+    settings = loader_settings(data_dir=str(root), image_size=32, batch_size=8, workers=0)
+    loader = TorchLoader(settings, check_tree(str(root)), 0, 1, torch.device("cpu"))
     assert check_tree(str(root)) == sorted(embedded.CLASSES)
     folders = [Path(path).parent.name for path, _ in loader.train_source.samples]
     assert [sorted(embedded.CLASSES).index(f) for f in folders] == list(loader.train_source.targets)
@@ -170,9 +170,32 @@ def test_torch_loader_batches_labels_and_deterministic_augmentation(tmp_path):
 
 def test_synthetic_evaluation_batches_take_the_eval_image_size():
     from data.loaders import SyntheticLoader
-    from train.config import Config
-    cfg = Config(loader="synthetic", image_size=32, eval_image_size=40, batch_size=4, synthetic_images=8,
-                 synthetic_val_images=8, synthetic_classes=3)
-    loader = SyntheticLoader(cfg, 0, 1, torch.device("cpu"))
+    settings = loader_settings(image_size=32, eval_image_size=40, batch_size=4, synthetic_images=8,
+                               synthetic_val_images=8, synthetic_classes=3)
+    loader = SyntheticLoader(settings, 0, 1, torch.device("cpu"))
     assert {tuple(x.shape) for x, _ in loader.val_batches()} == {(4, 3, 40, 40)}
     assert {tuple(x.shape) for x, _ in loader.train_batches(0)} == {(4, 3, 32, 32)}
+
+
+def test_loader_settings_have_no_defaults_of_their_own_and_take_the_runs_names():
+    """A default here could differ silently from the run's (train/config.py): every field is required,
+    each one the run's settings fill is a Config setting of the same type, and `of` takes them all
+    from the run's settings, naming one they lack."""
+    from dataclasses import MISSING, fields
+    from types import SimpleNamespace
+
+    from data.loaders import RUN_SETTINGS, LoaderSettings
+    from train.config import Config
+    defaulted = [f.name for f in fields(LoaderSettings) if f.default is not MISSING or f.default_factory is not MISSING]
+    assert defaulted == []
+    assert set(RUN_SETTINGS) == {f.name for f in fields(LoaderSettings)} - {"evaluate_only", "relist"}
+    config_types, own_types = {f.name: f.type for f in fields(Config)}, {f.name: f.type for f in fields(LoaderSettings)}
+    assert [name for name in RUN_SETTINGS if config_types.get(name) is not own_types[name]] == []
+    run = Config(data_dir="/data", batch_size=7, workers=3, image_size=40, crop_min_scale=0.25, synthetic_classes=5)
+    settings = LoaderSettings.of(run, precision="bf16", relist=True)
+    assert (settings.data_dir, settings.batch_size, settings.workers, settings.image_size, settings.crop_min_scale,
+            settings.synthetic_classes, settings.precision, settings.relist, settings.evaluate_only) == \
+        ("/data", 7, 3, 40, 0.25, 5, "bf16", True, False)
+    lacking = SimpleNamespace(**{name: getattr(run, name) for name in RUN_SETTINGS if name != "crop_max_aspect"})
+    with pytest.raises(AttributeError, match="crop_max_aspect"):
+        LoaderSettings.of(lacking)

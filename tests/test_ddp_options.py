@@ -2,7 +2,7 @@
 and settings (static_graph on GPUs), static_graph forced on in a real 2-rank torchrun run on gloo with
 the flat all-reduce, the two-level hook and the fp16 wire (the same weights as without it), the step's
 named ranges in a profiler trace, and a compile longer than TRAINER_COLLECTIVE_TIMEOUT_S inside the
-step's wait that does not get a rank ended by the watchdog (train/engines/topology.py); static_graph off
+step's wait that does not get a rank ended by the watchdog (train/engines/distributed.py); static_graph off
 wherever the run accumulates gradients (a 2-rank run that asks for both trains), and 2 ranks accumulating 2
 batches per step training as 4 ranks on the two-level all-reduce, on the fp32 and the fp16 wire."""
 import inspect

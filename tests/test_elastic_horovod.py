@@ -236,23 +236,21 @@ def test_a_restored_commit_stays_the_commit_while_training_goes_on():
 
     from train.elastic import TrainingState
 
-    class Training:  # what TrainingState uses of the loop's Training
-        engine, samples_trained = SimpleNamespace(hvd=hvd), SimpleNamespace(saved=(0, 0, 0))
-
+    class Checkpoints:  # what TrainingState uses of the run's checkpoints (train/saving.py)
         def __init__(self):
             self.weights = {"w": torch.ones(3)}
 
-        def state_dict(self, samples):
-            return {"model": self.weights, "samples": samples}
+        def state_dict(self, samples=None):
+            return {"model": self.weights, "samples": (0, 0, 0) if samples is None else samples}
 
         def load_state_dict(self, state):
             self.weights = state["model"]
 
-    training = Training()
-    state = TrainingState(training)
-    training.weights["w"] += 5  # training went on after the commit
+    checkpoints = Checkpoints()
+    state = TrainingState(checkpoints, SimpleNamespace(hvd=hvd))
+    checkpoints.weights["w"] += 5  # training went on after the commit
     state.restore()
-    assert torch.equal(training.weights["w"], torch.ones(3))
-    training.weights["w"] += 7  # in place, on the restored tensors
+    assert torch.equal(checkpoints.weights["w"], torch.ones(3))
+    checkpoints.weights["w"] += 7  # in place, on the restored tensors
     state.restore()
-    assert torch.equal(training.weights["w"], torch.ones(3))
+    assert torch.equal(checkpoints.weights["w"], torch.ones(3))

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from train.lars import LARS, lars_param_groups
-from train.optim import SGD, RMSpropWarmup, decay_groups
+from train.lars import LARS, decay_param_groups
+from train.optim import SGD, RMSpropWarmup, groups_with_weight_decay
 from train.precision import Precision
 
 MULTI_TENSOR = ("_foreach_", "_fused_", "_amp_foreach_")  # the aten ops that walk tensor lists
@@ -24,9 +24,9 @@ class _Settings:
 
 
 OPTIMIZERS = {
-    "lars": lambda model: LARS(lars_param_groups(model), lr=2.0, momentum=0.9, weight_decay=5e-5),
-    "sgd": lambda model: SGD(decay_groups(_Settings, model), lr=0.1, momentum=0.9, nesterov=True),
-    "rmsprop-warmup": lambda model: RMSpropWarmup(decay_groups(_Settings, model), lr=0.1, momentum=0.9,
+    "lars": lambda model: LARS(decay_param_groups(model), lr=2.0, momentum=0.9, weight_decay=5e-5),
+    "sgd": lambda model: SGD(groups_with_weight_decay(_Settings, model), lr=0.1, momentum=0.9, nesterov=True),
+    "rmsprop-warmup": lambda model: RMSpropWarmup(groups_with_weight_decay(_Settings, model), lr=0.1, momentum=0.9,
                                                   rms_lr_ratio=0.01, sgd_share=0.3),
 }
 

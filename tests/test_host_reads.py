@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from helpers import REPO, child_env
-from train.lars import LARS, lars_param_groups
-from train.optim import SGD, RMSpropWarmup, decay_groups
+from train.lars import LARS, decay_param_groups
+from train.optim import SGD, RMSpropWarmup, groups_with_weight_decay
 
 OPTIMIZERS = {
-    "lars": lambda model: LARS(lars_param_groups(model), lr=0.5, momentum=0.9, weight_decay=1e-4),
-    "sgd": lambda model: SGD(decay_groups(_Settings, model), lr=0.1, momentum=0.9),
-    "sgd-nesterov": lambda model: SGD(decay_groups(_Settings, model), lr=0.1, momentum=0.9, nesterov=True),
-    "rmsprop-warmup": lambda model: RMSpropWarmup(decay_groups(_Settings, model), lr=0.1, momentum=0.9,
+    "lars": lambda model: LARS(decay_param_groups(model), lr=0.5, momentum=0.9, weight_decay=1e-4),
+    "sgd": lambda model: SGD(groups_with_weight_decay(_Settings, model), lr=0.1, momentum=0.9),
+    "sgd-nesterov": lambda model: SGD(groups_with_weight_decay(_Settings, model), lr=0.1, momentum=0.9, nesterov=True),
+    "rmsprop-warmup": lambda model: RMSpropWarmup(groups_with_weight_decay(_Settings, model), lr=0.1, momentum=0.9,
                                                   rms_lr_ratio=0.01, sgd_share=0.3),
 }
 

@@ -147,7 +147,9 @@ import torch
 from data.loaders import LoaderSettings
 from data.torch_loader import TorchLoader
 from data.tree import check_tree
-loader = TorchLoader(LoaderSettings(data_dir=sys.argv[1], image_size=16, batch_size=4, workers=1),
+from train.config import Config
+settings = LoaderSettings.of(Config(data_dir=sys.argv[1], image_size=16, batch_size=4, workers=1, precision="fp32"))
+loader = TorchLoader(settings,
                      check_tree(sys.argv[1]), 0, 1, torch.device("cpu"))
 print(json.dumps(dict(train=loader.train_images, val=loader.val_images, batch=len(next(loader.val_batches())[1]))))
 """

@@ -6,7 +6,7 @@ import torchvision
 
 from helpers import run_train
 from helpers.host_reads import ScalarReads
-from train.lars import LARS, lars_param_groups
+from train.lars import LARS, decay_param_groups
 
 
 def reference_lars_step(params, grads, buffers, lr, momentum, wd, eta, eps, exclude):
@@ -74,7 +74,7 @@ def test_epsilon_zero_means_zero():
 
 def test_param_groups_exclude_every_batchnorm_parameter_and_bias():
     model = torchvision.models.resnet50()
-    regular, excluded = lars_param_groups(model)
+    regular, excluded = decay_param_groups(model)
     bn_params = {id(p) for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d) for p in m.parameters()}
     biases = {id(p) for n, p in model.named_parameters() if n.endswith(".bias")}
     assert {id(p) for p in excluded["params"]} == bn_params | biases
@@ -86,7 +86,7 @@ def test_param_groups_exclude_every_batchnorm_parameter_and_bias():
 
 def test_step_never_reads_a_tensor_value_on_the_host():
     model = torchvision.models.resnet18(num_classes=10)
-    opt = LARS(lars_param_groups(model), lr=1.0, weight_decay=5e-5)
+    opt = LARS(decay_param_groups(model), lr=1.0, weight_decay=5e-5)
     model(torch.randn(2, 3, 32, 32)).sum().backward()
     with ScalarReads() as mode:
         opt.step()
@@ -97,10 +97,10 @@ def test_state_dict_round_trip_continues_identically():
     torch.manual_seed(0)
     model = torchvision.models.resnet18(num_classes=10)
     x = torch.randn(4, 3, 32, 32)
-    opt = LARS(lars_param_groups(model), lr=0.5, weight_decay=5e-5)
+    opt = LARS(decay_param_groups(model), lr=0.5, weight_decay=5e-5)
     model(x).sum().backward(); opt.step(); opt.zero_grad()
     twin = copy.deepcopy(model)
-    twin_opt = LARS(lars_param_groups(twin), lr=0.5, weight_decay=5e-5)
+    twin_opt = LARS(decay_param_groups(twin), lr=0.5, weight_decay=5e-5)
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))  # as if read back from a file
     for m, o in ((model, opt), (twin, twin_opt)):
         m(x).sum().backward(); o.step()

@@ -18,7 +18,8 @@ from helpers import REPO, child_env, run_train, stand_in_for_horovod
 from train.config import Config
 from train.engines.network import collective_timeout, set_library_timeouts, use_interface
 from train.engines.watchdog import unreachable
-from train.engines.topology import Topology, node_summary
+from train.engines.distributed import DistributedEngine
+from train.engines.topology import node_summary
 from train.errors import UsageError
 
 
@@ -187,7 +188,7 @@ def test_the_nodes_are_the_host_names():
                                                   {"nodes": 2, "ranks_per_node": 0, "ranks_on_nodes": [3, 1]})
 
 
-class Placed(Topology):
+class Placed(DistributedEngine):
     def __init__(self, hosts, allreduce="hierarchical"):
         self.rank, self.world_size, self.cfg, self.hosts = 0, len(hosts), Config(allreduce=allreduce), hosts
         self._layout(self.cfg, hosts.count(hosts[0]))

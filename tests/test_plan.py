@@ -347,7 +347,7 @@ def test_report_prints_the_path_it_wrote_and_the_folder_it_made(capsys, tmp_path
 def test_report_lines_are_told_apart_and_the_gpu_axis_reads_plain_counts():
     from train.plan import cli, report
     args = cli.parser().parse_args(["--preset", "mlperf-bs3264", "--gpu", "a100", "--gpus", "8:64"])
-    lines = {name: cli.plans(cli.setup_of(args, name), [8, 16, 32, 64])[0] for name in comm.ALGORITHMS}
+    lines = {name: cli.plans(cli.system_of(args, name), [8, 16, 32, 64])[0] for name in comm.ALGORITHMS}
     fig = report.figure(lines, "test")
     fig.canvas.draw()
     for axis in fig.axes:
@@ -425,9 +425,9 @@ def ffcv_16_epochs(**changes) -> dict:
     """The plan of the ffcv-rn50-16ep preset on 8 A100s (ResNet-50 with BlurPool, 16 epochs of 160 px
     crops, evaluated every 4 epochs at 256 px with flips), its settings changed by `changes`."""
     import dataclasses
-    from train.plan.cli import parser, setup_of
-    setup = setup_of(parser().parse_args(["--preset", "ffcv-rn50-16ep", "--gpu", "a100", "--gpus", "8"]))
-    return model.plan(dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, **changes)), 8)
+    from train.plan.cli import parser, system_of
+    system = system_of(parser().parse_args(["--preset", "ffcv-rn50-16ep", "--gpu", "a100", "--gpus", "8"]))
+    return model.plan(dataclasses.replace(system, cfg=dataclasses.replace(system.cfg, **changes)), 8)
 
 
 def work(row: dict) -> float:
@@ -511,29 +511,29 @@ def test_a_batch_schedule_keeps_n_where_the_batch_can_follow_and_grows_it_where_
     # a phase whose batch would fit at fewer steps keeps N and lets the batch follow: on 8 A100s (1,724
     # fit) 34,816 is 4,352 a GPU, N = 4 (1,088; 2 leaves 2,176); then 8,192 is 1,024 a GPU: 256 x 4, not 1,024 x 1
     import dataclasses
-    from train.plan.cli import parser, setup_of
-    setup = setup_of(parser().parse_args(["--preset", "mikami2018", "--gpu", "a100", "--gpus", "8"]))
-    row = model.plan(dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, batch_schedule="30:8192")), 8)
+    from train.plan.cli import parser, system_of
+    system = system_of(parser().parse_args(["--preset", "mikami2018", "--gpu", "a100", "--gpus", "8"]))
+    row = model.plan(dataclasses.replace(system, cfg=dataclasses.replace(system.cfg, batch_schedule="30:8192")), 8)
     assert [(p["per_gpu_batch"], p["accumulation_steps"]) for p in row["phases"]] == [(1088, 4), (256, 4)]
 
 
 def test_a_count_no_accumulation_can_carry_is_still_skipped():
     # 4,096 px crops: 45.2e6 x (4096 / 224)^2 = 15.1e9 bytes an image, more than a V100's 13.6e9 free
     import dataclasses
-    from train.plan.cli import parser, setup_of
-    setup = setup_of(parser().parse_args(["--preset", "akiba2017-32k", "--gpu", "v100", "--gpus", "8"]))
+    from train.plan.cli import parser, system_of
+    system = system_of(parser().parse_args(["--preset", "akiba2017-32k", "--gpu", "v100", "--gpus", "8"]))
     with pytest.raises(model.Skip, match=r"per-GPU batch 1 does not fit in the v100's 16 GB \(at most 0 images of "
                                          r"4096 px; docs/planner.md\): no accumulation carries global batch 32,768"):
-        model.plan(dataclasses.replace(setup, cfg=dataclasses.replace(setup.cfg, image_size=4096)), 8)
+        model.plan(dataclasses.replace(system, cfg=dataclasses.replace(system.cfg, image_size=4096)), 8)
 
 
 def test_only_the_last_batchs_backward_hides_the_all_reduce():
     # 2 V100s on a 150 Mbit/s link (CUSTOM above): the all-reduce takes seconds, a batch of 16 tens of
     # milliseconds, so what hides it is backward (2/3 of one batch's compute), not 0.75 of it; with 4
     # batches a step it is still one batch's backward, the first three having sent nothing
-    from train.plan.cli import parser, setup_of
-    setup = setup_of(parser().parse_args(["--gpus", "2", *CUSTOM]))
-    one, four = model.step_terms(setup, 2, 16), model.step_terms(setup, 2, 16, 224, 4)
+    from train.plan.cli import parser, system_of
+    system = system_of(parser().parse_args(["--gpus", "2", *CUSTOM]))
+    one, four = model.step_terms(system, 2, 16), model.step_terms(system, 2, 16, 224, 4)
     assert four["compute_s"] == pytest.approx(4 * one["compute_s"])
     assert four["comm_total_s"] == one["comm_total_s"] == pytest.approx(ring_allreduce_s(2), rel=1e-12)
     assert four["comm_s"] == pytest.approx(four["comm_total_s"] - 2 / 3 * four["compute_s"] / 4)

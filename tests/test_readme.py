@@ -174,3 +174,35 @@ SPEAKS_OF_THE_PRODUCT = [
 def test_the_guard_tells_the_workplace_from_the_product():
     caught = not_the_product(enumerate(SPOKE_OF_THE_WORKPLACE + SPEAKS_OF_THE_PRODUCT))
     assert [line for _, line in caught] == SPOKE_OF_THE_WORKPLACE
+
+
+# a pointer into the docs from the code, the scripts, the tests or a flag's --help: docs/PAGE.md or
+# docs/PAGE.md#heading
+DOCS_POINTER = re.compile(r"\bdocs/([\w.-]+\.md)(?:#([\w-]+))?")
+
+
+def dead_pointers(lines, where):
+    """'where:number: pointer (why)' for each docs/ pointer in (number, line) pairs whose page or heading
+    does not exist."""
+    dead = []
+    for number, line in lines:
+        for page, anchor in DOCS_POINTER.findall(line):
+            target = REPO / "docs" / page
+            if not target.is_file():
+                dead.append(f"{where}:{number}: docs/{page} (no such page)")
+            elif anchor and anchor not in anchors(target):
+                dead.append(f"{where}:{number}: docs/{page}#{anchor} (no such heading)")
+    return dead
+
+
+def test_pointers_into_the_docs_resolve():
+    dead = [pointer for path in CODE
+            for pointer in dead_pointers(enumerate(path.read_text().splitlines(), 1), path.relative_to(REPO))]
+    assert not dead, "pointers to pages or headings that do not exist:\n" + "\n".join(dead)
+
+
+def test_the_pointer_check_sees_a_missing_page_and_a_missing_heading():
+    lines = enumerate(["(docs/settings.md#--threads)", "docs/settings.md#--no-such-flag", "docs/nowhere.md",
+                       "see docs/threads.md."], 1)
+    assert dead_pointers(lines, "x") == ["x:2: docs/settings.md#--no-such-flag (no such heading)",
+                                         "x:3: docs/nowhere.md (no such page)"]

@@ -11,7 +11,7 @@ from train.cli import parse
 from train.config import Config
 from train.errors import UsageError
 from train.recipe import recipe, show_recipe
-from train.schedule import EpochClock, SgdShareRamp, build_schedule
+from train.schedule import EpochClock, EpochPlan, SgdShareRamp, build_lr_schedule
 
 END_LR = 1e-4
 
@@ -170,8 +170,12 @@ def test_nvidia_mlperf_v4(preset, batch, lr, warmup, wd, momentum, epochs, span)
 
 
 # the mechanisms' formulas ------------------------------------------------------------------------
+def settings_of(**settings) -> Config:
+    return Config(**{"lr": 3.2, "warmup_epochs": 2, **settings})
+
+
 def schedule_of(clock, **settings):
-    return build_schedule(Config(**{"lr": 3.2, "warmup_epochs": 2, **settings}), clock)
+    return build_lr_schedule(settings_of(**settings), clock)
 
 
 def test_multistep_with_warmup_from_a_start_lr():
@@ -206,9 +210,9 @@ def test_sgd_share_ramp():
 
 
 def test_augmentation_switches_off_from_the_given_epoch():
-    s = schedule_of(EpochClock(100, 10, epochs=10), augment_off_epoch=8)
-    assert [s.augment(e) for e in range(10)] == [True] * 7 + [False] * 3  # epochs 8, 9, 10 (from 1)
-    assert all(schedule_of(EpochClock(100, 10, epochs=10)).augment(e) for e in range(10))
+    plan = EpochPlan.of(settings_of(augment_off_epoch=8), EpochClock(100, 10, epochs=10))
+    assert [plan.augment(e) for e in range(10)] == [True] * 7 + [False] * 3  # epochs 8, 9, 10 (from 1)
+    assert all(EpochPlan.of(settings_of(), EpochClock(100, 10, epochs=10)).augment(e) for e in range(10))
 
 
 def test_the_warmup_ramps_to_where_the_schedule_stands_at_its_end():

@@ -144,15 +144,15 @@ def test_the_run_directory_is_judged_as_it_is_at_the_check_not_when_the_flags_we
     run's; the same files without config.yaml are another run's."""
     from train.config import Config
     from train.errors import UsageError
-    from train.startup import _check_out_dir
+    from train.rundir import RunDir
     run = tmp_path / "run"
     run.mkdir()
     (run / "metrics.jsonl").write_text("")
     cfg = Config(out_dir=str(run))  # restarted False: no config.yaml when the flags were read
     with pytest.raises(UsageError, match="already holds a run without"):
-        _check_out_dir(cfg)
+        RunDir(run).check_continuable(cfg)
     (run / "config.yaml").write_text("seed: 0\n")
-    _check_out_dir(cfg)
+    RunDir(run).check_continuable(cfg)
 
 
 @pytest.mark.slow

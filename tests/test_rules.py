@@ -8,7 +8,7 @@ import yaml
 
 from helpers import read_metrics, run_train
 from data.embedded import ensure_embedded
-from train.cli import parse
+from train.cli import parse, read_command
 from train.config import Config
 from train.errors import UsageError
 from train.batches import batch_sizes
@@ -82,9 +82,9 @@ def test_flags_on_resume_win_over_the_saved_runs_partner(tmp_path):
                                                      "lr_per_256": 8.0}))
     cfg = parse(["--resume", "--out-dir", str(run), "--batch-size", "16", "--lr", "1.5"])
     assert (cfg.batch_size, cfg.global_batch_size, cfg.lr, cfg.lr_per_256) == (16, 0, 1.5, 0)
-    saved = parse(["--resume", "--out-dir", str(run)])
+    saved, start = read_command(["--resume", "--out-dir", str(run)])
     # (the saved per-rank batch is kept where the rank count allows: start-up decides)
-    assert (saved.saved_batch, saved.global_batch_size, saved.lr, saved.lr_per_256) == ((32, 1), 64, 2.0, 8.0)
+    assert (start.saved_batch, saved.global_batch_size, saved.lr, saved.lr_per_256) == ((32, 1), 64, 2.0, 8.0)
 
 
 # --- the rule: peak LR and warmup from the global batch -------------------------------------------

@@ -152,7 +152,7 @@ def header_of(**settings) -> str:
                     "image_size": 32, **settings})
     setup = SimpleNamespace(engine=SimpleNamespace(device=torch.device("cpu"), hosts=None, world_size=1),
                             loader=SimpleNamespace(num_classes=10, train_images=100, val_images=20), notes=notes,
-                            data_dir="")
+                            data_dir="", start=None)
     return run_header(setup, cfg, Precision("fp32", torch.device("cpu")), "run")[0]
 
 

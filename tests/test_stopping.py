@@ -8,7 +8,7 @@ import time
 import pytest
 
 from train.plan import model
-from train.plan.cli import parser, plans, setup_of
+from train.plan.cli import parser, plans, system_of
 from train.stopping import AGREEMENT_LONGEST_S, AGREEMENT_SHARE, FlagChecks, interval
 
 
@@ -91,7 +91,7 @@ class Single:
 
 def test_the_planner_counts_the_agreement_under_one_percent_at_2528_gpus():
     args = parser().parse_args(["--preset", "nvidia-mlperf40-2528gpu", "--gpus", "2528", "--gpu", "h100"])
-    row = plans(setup_of(args), [2528])[0][0]
+    row = plans(system_of(args), [2528])[0][0]
     assert 0 < row["agreement_s"] < 0.01 * row["step_s"]
     every_ten = 2 * 2527 * model.HOST_HOP_S / 10  # what an agreement every 10 steps would cost a step
     assert every_ten > row["step_s"]

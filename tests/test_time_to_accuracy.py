@@ -17,7 +17,7 @@ from train.config import Config
 from train.engines.single import SingleProcess
 from train.evaluate import evaluate
 from train.precision import Precision
-from train.schedule import resolution_ramp
+from train.crops import resolution_ramp
 from train.score.flops import run_flop
 from train.score.runs import score_run
 
@@ -86,7 +86,7 @@ def test_the_resolution_ramp_holds_then_steps_in_multiples_as_ffcvs_does():
 def test_the_per_gpu_batch_is_chosen_for_the_largest_crop_of_the_run(monkeypatch):
     from types import SimpleNamespace
     from train.device_choices import default_batch
-    from train.schedule import largest_image_size
+    from train.crops import largest_image_size
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: SimpleNamespace(total_memory=8 * 2 ** 30))
     gpu = torch.device("cuda", 0)
     ramped = Config(image_size=128, resolution_schedule="128:256:1:2")

@@ -8,6 +8,7 @@ import torch
 
 from helpers import REPO, launch
 from train.engines import topology
+from train.engines.distributed import DistributedEngine
 from train.config import Config
 from train.errors import UsageError
 
@@ -29,7 +30,7 @@ def test_torus_sends_the_halves_along_opposite_directions_hierarchical_one_way()
 
 
 def test_torus_rows_that_do_not_divide_the_ranks_are_refused_in_one_line():
-    grid = topology.Topology()
+    grid = DistributedEngine()
     grid.rank, grid.world_size, grid.device = 0, 6, torch.device("cpu")
     with pytest.raises(UsageError, match=r"^--torus-rows 4 does not divide the 6 ranks") as caught:
         grid._layout(Config(allreduce="torus", torus_rows=4, ranks_per_node=2), ["host"] * 6)

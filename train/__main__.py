@@ -5,14 +5,14 @@ flag answer at once."""
 import sys
 
 from data.tree import DataError
-from train.cli import parse
+from train.cli import read_command
 from train.errors import Preempted, RunAborted, RunFinished, UsageError
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         try:
-            cfg = parse(sys.argv[1:] if argv is None else argv)
+            cfg, start = read_command(sys.argv[1:] if argv is None else argv)
         except UsageError as err:  # the same flags on every rank: the same error everywhere
             err.raised_everywhere = True
             raise
@@ -21,10 +21,10 @@ def main(argv: list[str] | None = None) -> int:
             show_recipe(cfg)
         elif cfg.test_only:
             from train.evaluate import test_only
-            test_only(cfg)
+            test_only(cfg, start)
         else:
             from train.loop import run
-            run(cfg)
+            run(cfg, start=start)
     except (UsageError, DataError) as err:
         return _exit(err, f"error: {err}", 2)
     except RunAborted as err:

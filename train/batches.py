@@ -99,22 +99,23 @@ def epoch_split(run, epoch: int) -> tuple[int, int, int]:
     return [phase[1:] for phase in split_phases(run) if epoch >= phase[0]][-1]
 
 
-def split_batch(cfg, engine, precision: str, largest_crop: int) -> tuple[int, int, int, int, str]:
+def split_batch(cfg, engine, precision: str, largest_crop: int, start=None) -> tuple[int, int, int, int, str]:
     """(per-rank batch, global batch, accumulation steps, the largest per-rank batch a later batch phase
     may take, the header's note on how the batch was chosen) for this rank count. The batch that fits a
     GPU comes from the memory model at the run's largest training crop (--resolution-schedule's end);
-    on a CPU it is 256. A continued run (cfg.saved_batch) keeps its per-rank batch where the ranks x
-    that batch divide its global batch, changing the accumulation steps; elsewhere the per-rank batch
-    follows the rank count."""
+    on a CPU it is 256. A continued run (`start`, a rundir.Start: its saved_batch) keeps its per-rank
+    batch where the ranks x that batch divide its global batch, changing the accumulation steps;
+    elsewhere the per-rank batch follows the rank count."""
     from train.device_choices import default_batch  # (torch: not for the planner's fast --help)
     world_size, total, on_gpu = engine.world_size, cfg.global_batch_size, engine.device.type == "cuda"
     # (the memory model: where the batch is chosen, or derived from the global batch)
     fitting, note = (default_batch(engine.device, precision, largest_crop, cfg.arch) if on_gpu and not cfg.batch_size
                      else (DEFAULT_PER_RANK_BATCH, ""))
-    if cfg.saved_batch and cfg.division == "closed":  # (MLPerf's closed division: one N for the whole run)
-        batch, total, steps = batch_sizes(0, total, world_size, fitting, cfg.saved_batch[1])
-    elif cfg.saved_batch:
-        kept, _ = cfg.saved_batch
+    saved_batch = start.saved_batch if start else ()
+    if saved_batch and cfg.division == "closed":  # (MLPerf's closed division: one N for the whole run)
+        batch, total, steps = batch_sizes(0, total, world_size, fitting, saved_batch[1])
+    elif saved_batch:
+        kept, _ = saved_batch
         if total % (world_size * kept) == 0:
             batch, steps = kept, total // (world_size * kept)
         else:
@@ -122,6 +123,6 @@ def split_batch(cfg, engine, precision: str, largest_crop: int) -> tuple[int, in
     else:
         batch, total, steps = batch_sizes(cfg.batch_size, total, world_size, fitting, cfg.accumulation_steps,
                                           fitting if on_gpu else 0)
-    chose = not (cfg.batch_size or cfg.saved_batch) and (
+    chose = not (cfg.batch_size or saved_batch) and (
         not cfg.global_batch_size or (steps > 1 and not cfg.accumulation_steps))
     return batch, total, steps, max(batch, fitting), note if chose else ""

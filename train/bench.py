@@ -99,7 +99,7 @@ def _values(argv: list[str], flag: str) -> list[str]:
 def bench_train(argv: list[str]) -> int:
     ours, rest = mode_parser("train").parse_known_args(argv)
     from train.bench_hooks import ProfileTrace, StepTimer  # (after --help: these load torch)
-    from train.cli import parse
+    from train.cli import read_command
     from train.engines import detect_launch
     from train.loop import run
 
@@ -118,12 +118,12 @@ def bench_train(argv: list[str]) -> int:
     scratch = None if kept else (Path(tempfile.mkdtemp(prefix="trainer-bench-")) if rank == 0 else
                                  Path(tempfile.gettempdir()) / f"trainer-bench-rank{rank}")  # (only rank 0 writes)
     out = [] if kept else ["--out-dir", str(scratch / "run")]
-    cfg = parse([*defaults, *rest, *out, "--no-checkpoints", "--eval-every", "0",
-                 "--max-steps", str(ours.warmup_steps + ours.steps)])
+    cfg, start = read_command([*defaults, *rest, *out, "--no-checkpoints", "--eval-every", "0",
+                                "--max-steps", str(ours.warmup_steps + ours.steps)])
     timer = StepTimer(ours.warmup_steps, ours.steps)
     trace = ProfileTrace(Path(ours.profile), ours.warmup_steps, ours.steps) if ours.profile else None
     try:
-        run(cfg, hooks=(timer, trace) if trace else (timer,))  # (the trace after the timer: outside its timings)
+        run(cfg, hooks=(timer, trace) if trace else (timer,), start=start)  # (the trace after the timer: outside its timings)
     finally:
         if trace:
             trace.close()

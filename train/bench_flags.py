@@ -4,7 +4,7 @@ import argparse
 
 from train.command import CommandParser
 from train.config import CHOICES
-from train.schedule import MAX_CROP, MIN_CROP
+from train.crops import MAX_CROP, MIN_CROP
 
 BACKENDS = ("eager", "compile", "onnxruntime")
 

@@ -54,29 +54,19 @@ class StepTimer(LoopHooks):
 
     def quiet_computes(self, images, labels) -> list[float]:
         """The step on this batch again, timed, once this process's other threads (the loader's) are
-        idle. What the run prints and logs after is put back as the last measured step left it: its
-        position, its LR, the optimizer's settings (each step sets the schedule's values of its own
-        step there) and the fp16 loss scale. The weights and the optimizer's buffers keep the extra
-        steps (a benchmark keeps nothing)."""
+        idle, as steps aside of the run (Training.steps_aside: what the run prints and logs after is as
+        the last measured step left it; the weights and the optimizer's buffers keep the extra steps, a
+        benchmark keeps nothing)."""
         wait_for_quiet()
         self.engine.barrier()  # (each rank's first quiet step must not wait for a rank still waiting)
-        training, state = self.training, self.training.state
-        position = state.step, state.epoch, state.step_in_epoch, state.bad_steps
-        lr, loss_scale = training.lr, training.precision.state_dict()
-        settings = [{key: value for key, value in group.items() if key != "params"}
-                    for group in training.optimizer.param_groups]
         computes = []
-        for _ in range(QUIET_STEPS):
-            self._sync()
-            started = time.perf_counter()
-            training.train_step([(images, labels)] * training.loader_batch[1])  # (the step's passes, on this batch)
-            self._sync()
-            computes.append(time.perf_counter() - started)
-        state.step, state.epoch, state.step_in_epoch, state.bad_steps = position
-        training.lr = lr
-        for group, kept in zip(training.optimizer.param_groups, settings):
-            group.update(kept)
-        training.precision.load_state_dict(loss_scale)
+        with self.training.steps_aside() as step_again:
+            for _ in range(QUIET_STEPS):
+                self._sync()
+                started = time.perf_counter()
+                step_again(images, labels)
+                self._sync()
+                computes.append(time.perf_counter() - started)
         return computes
 
 

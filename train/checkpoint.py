@@ -1,9 +1,8 @@
 """Checkpoints: written atomically (a temporary file, fsync, rename, fsync of the folder), in the
-background when asked, and read back as plain data only.
+background when asked; read back as plain data only by train/checkpoint_read.py (`load`, `peek`,
+`load_weights`, also answered here).
 
-A crash or a full disk leaves the previous checkpoint.pt untouched. Loading uses
-`torch.load(weights_only=True)`: tensors, numbers, strings, lists and dicts, nothing else, so a file
-planted in a shared run directory cannot run code as the user (docs/checkpoints.md).
+A crash or a full disk leaves the previous checkpoint.pt untouched.
 
 Background writes cost the training steps they overlap as little as we can make them:
 train/host_memory.py's `host_copy` copies the state into host memory that stays mapped and is reused from one checkpoint to the next (no
@@ -16,15 +15,12 @@ process can be started, the state is copied into fresh memory and written by a t
 trainer, as before.
 
 --keep-checkpoints keeps finished checkpoints under other names (`keep_copies`) as copies of their
-own, a resume reads the newest intact one of them when checkpoint.pt cannot be read (`to_resume`), and
---init-from reads the weights out of other scripts' checkpoints too (`load_weights`).
+own; a resume reads the newest intact one of them when checkpoint.pt cannot be read (RunDir.to_resume).
 """
-import argparse
 import errno
 import fcntl
 import os
 import pickle
-import re
 import socket
 import subprocess
 import sys
@@ -36,9 +32,9 @@ from pathlib import Path
 import torch
 
 from train import checkpoint_writer
-from train.errors import UsageError
+from train.checkpoint_read import evaluated_weights, load, load_weights, peek  # noqa: F401 (callers read them here too)
 from train.host_memory import HOST_MEMORY, Arena, Layout
-
+from train.rundir import RunDir
 
 
 def save(path: Path, state: dict) -> None:
@@ -74,74 +70,24 @@ def _temporary(path: Path, pid: int) -> Path:
 
 
 # kept copies (--keep-checkpoints) --------------------------------------------------------------
-EPOCH_COPY = re.compile(r"checkpoint-epoch(\d+)\.pt")  # checkpoint-epoch003.pt: the checkpoint at the end of epoch 3
-BEST_COPY = "checkpoint-best.pt"
-
-
 def keep_copies(folder: Path, saved: dict, keep: int) -> None:
     """Keeps the finished folder/checkpoint.pt, whose entries are `saved`, under the names it earns:
     checkpoint-epochNNN.pt when it ends epoch NNN (then the copies of all but the last `keep` epochs
     are removed), checkpoint-best.pt when it holds the best weights evaluated so far. Each is a file of
     its own (a copy-on-write clone where the file system has them, else a copy in the kernel), made
     atomically: damage done to checkpoint.pt in place (a truncation, a `>` redirect) never reaches it."""
-    latest = folder / "checkpoint.pt"
-    names = []
+    run_dir = RunDir(folder)
+    copies = []
     if saved["step_in_epoch"] == 0 and saved["epoch"] > 0:
-        names.append(f"checkpoint-epoch{saved['epoch']:03d}.pt")
+        copies.append(run_dir.epoch_copy(saved["epoch"]))
     if saved.get("best_step") == saved["step"]:
-        names.append(BEST_COPY)
-    for name in names:
-        _copy(latest, folder / name)
-    if names:
+        copies.append(run_dir.path / run_dir.BEST_COPY)
+    for copy in copies:
+        _copy(run_dir.checkpoint, copy)
+    if copies:
         _sync_folder(folder)
-    epochs = sorted((int(match.group(1)), path) for path in folder.iterdir()
-                    if (match := EPOCH_COPY.fullmatch(path.name)))
-    for _, older in epochs[:-keep]:
+    for _, older in run_dir.epoch_copies()[:-keep]:
         older.unlink(missing_ok=True)
-
-
-def to_resume(run_dir: Path) -> tuple[Path, str]:
-    """The checkpoint a resume reads: checkpoint.pt, or where it is missing or cannot be read, the kept
-    copy (--keep-checkpoints) of the highest step that can, with a line saying which and why ("" for
-    checkpoint.pt). None readable: checkpoint.pt's refusal, naming the copies that failed too."""
-    latest = run_dir / "checkpoint.pt"
-    try:
-        peek(latest)
-        return latest, ""
-    except UsageError as err:
-        refused = err
-    intact, broken = [], []
-    for copy in sorted(run_dir.glob("checkpoint-*.pt")):
-        try:
-            intact.append((peek(copy)["step"], copy))
-        except UsageError:
-            broken.append(copy.name)
-    if not intact:
-        raise UsageError(f"{refused}; the kept copies {', '.join(broken)} cannot be read either") if broken else refused
-    step, newest = max(intact)
-    why = refused.why if latest.exists() else "it is missing"
-    return newest, (f"{latest} cannot be read ({why}): resuming from {newest.name}, the newest intact "
-                    f"checkpoint of the run (step {step})")
-
-
-def resumable(run_dir: Path) -> bool:
-    """Whether the run directory holds a checkpoint to resume from (checkpoint.pt or a kept copy)."""
-    return any(run_dir.glob("checkpoint*.pt"))
-
-
-def to_evaluate(run_dir: Path, name: str) -> Path:
-    """The checkpoint --test-only evaluates: --checkpoint's file (a name in the run directory, such as
-    checkpoint-best.pt, or a path), else the run's checkpoint.pt."""
-    if not name:
-        if not (run_dir / "checkpoint.pt").is_file():
-            raise UsageError(f"{run_dir} holds no checkpoint.pt to evaluate; check --out-dir")
-        return run_dir / "checkpoint.pt"
-    found = next((path for path in (run_dir / name, Path(name)) if path.is_file()), None)
-    if found is None:
-        kept = sorted(path.name for path in run_dir.glob("checkpoint*.pt"))
-        raise UsageError(f"--checkpoint {name} is neither a file in {run_dir} nor a path; "
-                         f"{run_dir} holds {', '.join(kept) or 'no checkpoint'}")
-    return found
 
 
 FICLONE = 0x40049409  # linux/fs.h: make the target share the source's blocks, copy-on-write
@@ -345,96 +291,3 @@ class _WriterProcess:
 _HEADER = checkpoint_writer.HEADER  # a message's length, before it
 _WRITER = Path(__file__).with_name("checkpoint_writer.py")  # the writer process's program
 _WRITE_NICE = 10  # the writer process's: a write overlaps a few steps and takes a small share of a core from each
-
-
-
-# loading: plain data only ----------------------------------------------------------------------
-def load(path: Path, device: torch.device, what_to_do: str = "") -> dict:
-    """A checkpoint written by this trainer, on `device`. Anything else (not a torch file, truncated,
-    a pickle naming code, not a checkpoint's dict) is a UsageError of one line naming the file."""
-    state = _read(path, device, what_to_do)
-    if not isinstance(state.get("model"), dict) or "step" not in state:
-        raise _refused(path, "it is not a checkpoint of this trainer (no model and step)", what_to_do)
-    return state
-
-
-def peek(path: Path, what_to_do: str = "") -> dict:
-    """A checkpoint's small entries (step, epoch, finished, ...) without reading its tensors."""
-    state = _read(path, torch.device("cpu"), what_to_do, mmap=True)
-    if not isinstance(state.get("model"), dict) or "step" not in state:
-        raise _refused(path, "it is not a checkpoint of this trainer (no model and step)", what_to_do)
-    return {key: value for key, value in state.items() if not isinstance(value, dict)}
-
-
-def left_to_continue(run_dir: Path, written: bool) -> str:
-    """What a stopped run leaves to continue from, for its last line (`written`: --checkpoints)."""
-    off = "" if written else "this run writes no checkpoint (--no-checkpoints); "
-    try:
-        return f"{off}the last good checkpoint (step {peek(run_dir / 'checkpoint.pt')['step']}) is kept in {run_dir}"
-    except (OSError, UsageError):  # none yet (or none readable): the run starts again from step 0
-        return f"{off}no checkpoint was written yet in {run_dir}"
-
-
-def evaluated_weights(state: dict, raw: bool = False) -> dict:
-    """The weights a checkpoint's run evaluated: the average of the weights under "ema" when the run
-    kept one (--ema-decay), else the trained weights under "model"; with `raw` (--raw-weights) the
-    trained weights whatever the run kept."""
-    return state["ema"] if isinstance(state.get("ema"), dict) and not raw else state["model"]
-
-
-# Where other scripts' checkpoints keep the weights (the first found wins): this trainer's and torchvision's
-# reference scripts' `model`, timm's and Lightning's `state_dict`, and the names common in tutorials
-WEIGHT_KEYS = ("model", "state_dict", "model_state_dict", "model_state", "net")
-# What wrappers put before every name: DDP's and DataParallel's `module.`, torch.compile's `_orig_mod.`
-WRAPPER_PREFIXES = ("module.", "_orig_mod.")
-
-
-def load_weights(path: Path, what_to_do: str) -> tuple[dict, list[str]]:
-    """A model's weights, on the CPU, from a checkpoint of this trainer (the weights it evaluated: with
-    --ema-decay, the average) or of another script (the weights under one of WEIGHT_KEYS, nested or not),
-    or a bare state_dict (torchvision's .pth files); names without a wrapper's prefix. Also says how they
-    were found (e.g. "under 'state_dict'")."""
-    with torch.serialization.safe_globals([argparse.Namespace]):  # torchvision's and timm's scripts save their flags as one
-        state = _read(path, torch.device("cpu"), what_to_do, mmap=True)
-    found = []
-    if isinstance(state, dict) and _is_state_dict(state.get("ema")):  # --ema-decay: what the run evaluated,
-        state, found = state["ema"], ["the average under 'ema'"]  # as --test-only, predict and export take
-    while not _is_state_dict(state):
-        key = next((key for key in WEIGHT_KEYS if isinstance(state.get(key), dict)), None)
-        if key is None:
-            raise _refused(path, "it holds neither a checkpoint nor a state_dict of tensors", what_to_do)
-        state = state[key]
-        found.append(f"under {key!r}")
-    while prefix := next((p for p in WRAPPER_PREFIXES if all(name.startswith(p) for name in state)), None):
-        state = {name[len(prefix):]: tensor for name, tensor in state.items()}
-        found.append(f"{prefix!r} dropped")
-    return state, found
-
-
-def _is_state_dict(value) -> bool:
-    return (isinstance(value, dict) and bool(value)
-            and all(isinstance(key, str) and isinstance(item, torch.Tensor) for key, item in value.items()))
-
-
-def _read(path: Path, device: torch.device, what_to_do: str, mmap: bool = False) -> dict:
-    try:
-        state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as err:  # weights_only's refusal: a global it does not allow
-        named = re.search(r"GLOBAL (\S+)", str(err))
-        why = f"it names {named.group(1)}" if named else "it is not a torch checkpoint"
-        raise _refused(path, f"{why}, which is not plain data; refused, nothing in it was run", what_to_do) from None
-    except OSError as err:
-        raise _refused(path, f"it cannot be read ({err.strerror or err})", what_to_do) from None
-    except Exception as err:  # torch's readers fail in many ways on a truncated file or one of another kind
-        reason = str(err).strip().split(". ")[0].splitlines()[0][:100] if str(err).strip() else type(err).__name__
-        raise _refused(path, f"it is truncated or not a torch checkpoint ({reason})", what_to_do) from None
-    if not isinstance(state, dict):
-        raise _refused(path, f"it holds a {type(state).__name__}, not a checkpoint's dict", what_to_do)
-    return state
-
-
-def _refused(path: Path, why: str, what_to_do: str) -> UsageError:
-    refusal = UsageError(f"cannot load {path}: {why}; "
-                         f"{what_to_do or 'restore it from a copy you trust or move it away to start afresh'}")
-    refusal.why = why  # (for to_resume's line)
-    return refusal

@@ -1,12 +1,14 @@
 """The command line: `python -m train`'s flags built from Config's fields and the registries that
 serve each choice (engines, loaders, archs, optimizers, schedules, precisions), and the settings read
-from them: defaults < preset (YAML) < saved config of a --resume'd run < command-line flags. The same
-command started again on a run directory holding its checkpoint continues the run (restart is
-resume); start-up checks that it defines the same run.
+from them: defaults < preset (YAML) < the saved settings of a restarted or --resume'd run (config.yaml,
+read once through train/rundir.py) < command-line flags. The same command started again on a run
+directory holding its run continues it (restart is resume); start-up checks that it defines the same
+run. `read_command` returns the decision on the run directory too (rundir.Start). No torch is loaded.
 
 A preset is a name of a YAML file shipped in train/presets/ or a path to one.
 """
 import argparse
+import dataclasses
 import importlib.util
 import math
 import os
@@ -18,7 +20,8 @@ import yaml
 from train.command import CommandParser
 from train.config import CHOICES, FIELDS, GROUPS, Config
 from train.errors import UsageError
-from train.schedule import MAX_CROP, MIN_CROP, NO_RAMP
+from train.rundir import RunDir, Start, decide
+from train.crops import MAX_CROP, MIN_CROP, NO_RAMP
 
 
 def preset_names() -> list[str]:
@@ -30,8 +33,25 @@ def load_yaml_overrides(source: str, what: str) -> dict:
     try:
         values = yaml.safe_load(Path(source).read_text())
     except (OSError, yaml.YAMLError) as err:
-        reason = str(err).splitlines()[0]
-        raise UsageError(f"{what} {source} cannot be read as YAML ({reason}); fix or remove it")
+        raise _unreadable(source, what, err)
+    return checked_overrides(values, source, what)
+
+
+def _unreadable(source, what: str, err: Exception) -> UsageError:
+    return UsageError(f"{what} {source} cannot be read as YAML ({str(err).splitlines()[0]}); fix or remove it")
+
+
+def saved_overrides(run_dir: RunDir) -> dict:
+    """The saved settings of the run in `run_dir` (its config.yaml, read once), type-checked."""
+    try:
+        values = run_dir.saved_settings()
+    except (OSError, yaml.YAMLError) as err:
+        raise _unreadable(run_dir.config, "saved config", err)
+    return checked_overrides(dict(values) if isinstance(values, dict) else values, str(run_dir.config), "saved config")
+
+
+def checked_overrides(values, source: str, what: str) -> dict:
+    """`values` read from `source` as Config fields, type-checked (YAML's None: none)."""
     if values is None:
         values = {}
     if not isinstance(values, dict):
@@ -140,10 +160,15 @@ BATCH_FLAGS = ("batch_size", "global_batch_size", "accumulation_steps")
 
 
 def parse(argv: list[str]) -> Config:
-    """Defaults, then the preset, then (with --resume) the run's saved config, then the flags."""
+    """The settings of a command line (read_command's)."""
+    return read_command(argv)[0]
+
+
+def read_command(argv: list[str]) -> tuple[Config, Start]:
+    """Defaults, then the preset, then a restarted or --resume'd run's saved settings, then the flags;
+    and what the start does with its run directory."""
     flags = vars(parser().parse_args(argv))
     given = tuple(flags)  # (before start-up's own entries: --out-dir, --resume)
-    from train import checkpoint  # (after --help: it loads torch)
     values: dict = {}
     preset = flags.get("preset") or ("" if flags.get("data_dir") else "smoke")
     preset_values = load_yaml_overrides(str(resolve_preset(preset)), "preset") if preset else {}
@@ -152,23 +177,20 @@ def parse(argv: list[str]) -> Config:
     out_dir = flags.get("out_dir") or job_out_dir(preset)
     if out_dir:
         flags["out_dir"] = out_dir
-    if flags.get("test_only"):
-        flags["resume"] = False
-    elif not flags.get("resume") and out_dir and (Path(out_dir) / "config.yaml").is_file():
-        # restart is resume: the same command started again (a requeued job, a relaunched worker, a preempted
-        # run) continues its run from its checkpoint, or starts it again when it was lost before its first;
-        # start-up checks that the command defines the same run (startup.check_same_run)
-        values["restarted"] = True
-        flags["resume"] = checkpoint.resumable(Path(out_dir))
-    from_saved = (flags.get("resume") and not values.get("restarted")) or flags.get("test_only")
+    # restart is resume: the same command started again (a requeued job, a relaunched worker, a preempted
+    # run) continues its run from its checkpoint, or starts it again when it was lost before its first;
+    # start-up checks that the command defines the same run (RunDir.check_same_run)
+    start = decide(out_dir, bool(flags.get("resume")), bool(flags.get("test_only")))
+    if start.kind != "new":
+        flags["resume"] = start.from_checkpoint
+    from_saved = start.kind in ("resume", "evaluate")
     if from_saved:
         what = "--test-only" if flags.get("test_only") else "--resume"
         if not out_dir:
             raise UsageError(f"{what} needs --out-dir naming the run")
-        saved = Path(out_dir) / "config.yaml"
-        if not saved.is_file():
-            raise UsageError(f"{out_dir} holds no config.yaml for {what}; check --out-dir")
-        values.update(load_yaml_overrides(str(saved), "saved config"))
+        if not start.run_dir.holds_config():
+            raise UsageError(f"{out_dir} holds no {RunDir.CONFIG} for {what}; check --out-dir")
+        values.update(saved_overrides(start.run_dir))
     elif "lr" in preset_values and not {"lr", "lr_per_256"} & set(given):  # (the header notes another global batch)
         values["preset_lr_batch"] = preset_values.get("global_batch_size", 0)
     if flags.get("batch_size", 1) <= 0:
@@ -177,8 +199,8 @@ def parse(argv: list[str]) -> Config:
         for partner in partners if name in flags else ():
             if partner not in flags:
                 values[partner] = FIELDS[partner].default
-    keep_saved_batch(values, flags, out_dir, from_saved)
-    leave_out_sizes(values, flags, out_dir, "the run's saved config" if from_saved else f"preset {preset}")
+    start = keep_saved_batch(values, flags, start, from_saved)
+    leave_out_sizes(values, flags, start, "the run's saved config" if from_saved else f"preset {preset}")
     values.update(flags, flags_given=given)
     if values.get("resolution_schedule", "").strip().lower() in NO_RAMP:
         values["resolution_schedule"] = ""  # (config.yaml records no ramp one way, whichever word said it)
@@ -186,27 +208,29 @@ def parse(argv: list[str]) -> Config:
         if flags.get("tensorboard"):
             raise UsageError("--tensorboard needs the tensorboard package; pip install tensorboard, or drop the flag")
         values["tensorboard"] = False  # on by default only where it is installed
-    return validate(Config(**values))
+    cfg = validate(Config(**values))
+    return cfg, start
 
 
-
-def keep_saved_batch(values: dict, flags: dict, out_dir: str, from_saved: bool) -> None:
+def keep_saved_batch(values: dict, flags: dict, start: Start, from_saved: bool) -> Start:
     """The global batch defines the run: started again (a restart: an elastic launcher's, a requeue on a
     smaller allocation; or --resume without batch flags), it keeps it, and keeps its per-rank batch where
     the new rank count divides, by accumulating more or fewer steps (batches.split_batch). A restart's
     own --batch-size and --accumulation-steps are not taken; a restart whose command names the run's own
-    global batch is the same command started again."""
-    run_config = load_yaml_overrides(str(Path(out_dir) / "config.yaml"), "saved config") if values.get("restarted") else {}
-    restart = values.get("restarted") and flags.get("global_batch_size", run_config.get("global_batch_size")) == \
+    global batch is the same command started again. Returns the start with what it kept."""
+    run_config = saved_overrides(start.run_dir) if start.restarted else {}
+    restart = start.restarted and flags.get("global_batch_size", run_config.get("global_batch_size")) == \
         run_config.get("global_batch_size")
     if not (restart or (from_saved and not flags.get("test_only") and not set(BATCH_FLAGS) & set(flags))):
-        return
+        return start
     saved = values if from_saved else run_config
-    if saved.get("global_batch_size"):
-        kept = (saved.get("batch_size") or saved["global_batch_size"], saved.get("accumulation_steps") or 1)
-        command = (flags.pop("batch_size", 0), flags.pop("accumulation_steps", 0)) if restart else ()
-        values.update(batch_size=0, global_batch_size=saved["global_batch_size"], accumulation_steps=0,
-                      saved_batch=kept, command_batch=command)
+    if not saved.get("global_batch_size"):
+        return start
+    kept = (saved.get("batch_size") or saved["global_batch_size"], saved.get("accumulation_steps") or 1)
+    command = (flags.pop("batch_size", 0), flags.pop("accumulation_steps", 0)) if restart else ()
+    values.update(batch_size=0, global_batch_size=saved["global_batch_size"], accumulation_steps=0)
+    return dataclasses.replace(start, saved_batch=kept, command_batch=command)
+
 
 # The values each number setting may take: (test, what the refusal says it must be). A float must be
 # finite as well; every int and float field has an entry (tests/test_validation.py checks).
@@ -274,7 +298,8 @@ def _check_names_and_schedules(cfg: Config) -> None:
     for name, allowed in choices().items():
         value = getattr(cfg, name)
         _need(value in allowed, f"unknown --{name.replace('_', '-')} {value!r}; choose {', '.join(allowed[:-1])} or {allowed[-1]}")
-    from train.schedule import batch_changes, decay_epochs, lr_phases, resolution_ramp
+    from train.crops import resolution_ramp
+    from train.schedule import batch_changes, decay_epochs, lr_phases
     try:
         changes = batch_changes(cfg.batch_schedule)
         resolution_ramp(cfg.resolution_schedule)
@@ -308,18 +333,17 @@ def _check_combinations(cfg: Config) -> None:
           "MLPerf closed division; use --division open")
 
 
-def leave_out_sizes(values: dict, flags: dict, out_dir: str, source: str) -> None:
+def leave_out_sizes(values: dict, flags: dict, start: Start, source: str) -> None:
     """An --image-size given alone trains and evaluates at that size: the preset's (or a --resume'd
     run's saved) ramp would override it from the first epoch, and its evaluation size was chosen for
     its own training size (256 px beside 160-192), so each is left out unless given too, and the header
-    says so (schedule.crop_note). A restarted run that recorded the ramp keeps it: the same command
+    says so (crops.crop_note). A restarted run that recorded the ramp keeps it: the same command
     continues the same run, whichever rule made it."""
     if "image_size" not in flags:
         return
     left_out = []
     ramp = values.get("resolution_schedule", "")
-    recorded = values.get("restarted") and ramp == load_yaml_overrides(
-        str(Path(out_dir) / "config.yaml"), "saved config").get("resolution_schedule")
+    recorded = start.restarted and ramp == saved_overrides(start.run_dir).get("resolution_schedule")
     if "resolution_schedule" not in flags and ramp.strip().lower() not in NO_RAMP and not recorded:
         values["resolution_schedule"] = ""
         left_out.append(f"--resolution-schedule {ramp}")

@@ -18,11 +18,11 @@ from train.batches import epoch_split
 GRAPH_MODES = ("reduce-overhead", "max-autotune")  # torch.compile's modes that replay CUDA graphs
 
 
-def run_shapes(cfg, schedule, world_size: int) -> int:
-    """How many input shapes the model meets in a run of these settings and schedule (the module
+def run_shapes(cfg, plan, world_size: int) -> int:
+    """How many input shapes the model meets in a run of these settings and per-epoch plan (the module
     docstring lists them)."""
     # (the per-rank batch of a pass: the global batch over the ranks and the epoch's accumulation steps)
-    training = {(schedule.image_size(epoch), schedule.global_batch(epoch) // (world_size * epoch_split(cfg, epoch)[2]))
+    training = {(plan.image_size(epoch), plan.global_batch(epoch) // (world_size * epoch_split(cfg, epoch)[2]))
                 for epoch in range(cfg.epochs)}
     return len(training) + bool(cfg.eval_every) + bool(cfg.bn_recompute_batches)
 

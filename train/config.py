@@ -5,12 +5,16 @@ batch, the LR and warmup, the class count) is train/startup.py's.
 
 Every field is a flag with the usual spelling (batch_size -> --batch-size), and says of itself what
 the command line and start-up need to know: its --help text and argument group, the names it takes
-(a choice setting: the registries that serve it, data.LOADERS, models.ARCHS, ..., hold exactly these;
-tests/test_layout.py checks), and whether it defines the run (a run directory holding a run with
-another value of it is refused).
+(a choice setting: the names of its registry where that registry loads without torch, data.LOADER_NAMES,
+models.ARCHS, schedule.SCHEDULES; the optimizers' and engines' registries refuse a name not listed here),
+and whether it defines the run (a run directory holding a run with another value of it is refused).
 """
 import dataclasses
 from dataclasses import dataclass, field, fields
+
+from data import LOADER_NAMES
+from models import ARCHS
+from train.schedule import SCHEDULES
 
 # --help's argument groups, by the task a user looks for a flag under, in --help's order
 DATA, MODEL, OPTIMIZER, SPEED, DISTRIBUTED, BATCHNORM, CHECKPOINTS, EVALUATION, LOGGING, PRESETS = (
@@ -32,7 +36,7 @@ class Config:
     0, -1 and "auto" still say "choose for me"."""
     # data
     data_dir: str = setting("", "ImageNet-layout tree (train/<class>/, val/<class>/) or a folder of tar shards (scripts/make_shards.py) (default: the embedded dataset)", DATA, defines_run=True, metavar="PATH")
-    loader: str = setting("auto", "input pipeline; auto: DALI decoding on the GPU where there is a GPU and DALI's CUDA build, else torch (docs/gpu.md)", DATA, defines_run=True, choices=("auto", "torch", "dali", "synthetic"))
+    loader: str = setting("auto", "input pipeline; auto: DALI decoding on the GPU where there is a GPU and DALI's CUDA build, else torch (docs/gpu.md)", DATA, defines_run=True, choices=("auto", *LOADER_NAMES))
     dali_decode: str = setting("auto", "where --loader dali decodes JPEGs; auto: on the GPU where there is one (nvJPEG), else on the CPU", DATA, choices=("auto", "cpu", "gpu"))
     workers: int = setting(4, "input threads per rank: the torch loader's decoding threads; DALI's reader processes and CPU threads (at least 6 CPU threads per GPU where nvJPEG decodes: docs/gpu.md)", DATA)
     threads: int = setting(0, "compute threads per rank (torch's intra-op threads; 0: OMP_NUM_THREADS if set, else the cores this process may use shared by the ranks on its host, less the loader's --workers on a GPU run, at least 1; docs/threads.md)", SPEED)
@@ -47,7 +51,7 @@ class Config:
     synthetic_classes: int = setting(1000, "classes of --loader synthetic", DATA, defines_run=True)
     num_classes: int = setting(0, "classes the data must have (0: as many as it has); a run records its count in config.yaml", DATA, defines_run=True)
     # model
-    arch: str = setting("resnet50", "a torchvision ResNet", MODEL, defines_run=True, choices=("resnet18", "resnet34", "resnet50", "resnet101", "resnet152", "resnext50_32x4d", "resnext101_32x8d", "resnext101_64x4d", "wide_resnet50_2", "wide_resnet101_2"))
+    arch: str = setting("resnet50", "a torchvision ResNet", MODEL, defines_run=True, choices=ARCHS)
     zero_init_residual: bool = setting(True, "zero the last BN gamma of every residual block", MODEL, defines_run=True)
     blurpool: bool = setting(False, "blur (3x3 binomial filter) before every strided convolution past the stem, against aliasing (FFCV's and Composer's BlurPool); the weights keep torchvision's names and shapes (docs/time_to_accuracy.md)", MODEL, defines_run=True)
     ema_decay: float = setting(0.0, "exponential moving average of the weights, updated after every optimizer step with this decay (e.g. 0.9999); evaluations, --test-only, predict and export then use the averaged weights, and checkpoints keep them (0: off)", MODEL, defines_run=True)
@@ -60,7 +64,7 @@ class Config:
     precision: str = setting("auto", "fp16 is CUDA only; auto: bf16 from compute capability 8.0 up (A100, H100), fp16 with loss scaling below (V100, T4), fp32 on CPU (docs/precision.md)", SPEED, choices=("auto", "fp32", "bf16", "fp16"))
     # optimisation
     optimizer: str = setting("lars", "the update rule: LARS with MLPerf's semantics (docs/lars.md), momentum SGD, or RMSprop handing over to SGD (docs/seed_systems.md)", OPTIMIZER, defines_run=True, choices=("lars", "sgd", "rmsprop-warmup"))
-    lr_schedule: str = setting("warmup-poly", "how the LR moves after the linear warmup: polynomial decay to --end-lr (MLPerf's), steps at --lr-decay-epochs, --lr-phases, or a cosine or a straight line down to 0 at the last step", OPTIMIZER, defines_run=True, choices=("warmup-poly", "cosine", "linear", "multistep", "phases"))
+    lr_schedule: str = setting("warmup-poly", "how the LR moves after the linear warmup: polynomial decay to --end-lr (MLPerf's), steps at --lr-decay-epochs, --lr-phases, or a cosine or a straight line down to 0 at the last step", OPTIMIZER, defines_run=True, choices=tuple(SCHEDULES))
     batch_size: int = setting(0, "images per rank per step (0: --global-batch-size / ranks; when neither is set, on a GPU the largest multiple of 16 up to 512 whose step fits its memory, 256 on a CPU)", OPTIMIZER)
     global_batch_size: int = setting(0, "images per optimizer step over all ranks: ranks x --batch-size x --accumulation-steps (0: --batch-size x ranks)", OPTIMIZER, defines_run=True)
     accumulation_steps: int = setting(0, "gradient accumulation: each optimizer step adds up the gradients of N batches of --batch-size per rank, then one all-reduce and one update (0: 1, or where a --global-batch-size alone is more than the ranks hold at once, the fewest that fit; docs/accumulation.md)", OPTIMIZER)
@@ -117,9 +121,6 @@ class Config:
     commit_every: int = setting(50, "Horovod Elastic: commit the state to host memory every N steps (and at epoch ends); a lost worker costs the steps since", DISTRIBUTED)
     resume: bool = setting(False, "continue the run in --out-dir from its checkpoint.pt (the same command does so by itself; --resume insists on a checkpoint and may change settings)", CHECKPOINTS)
     init_from: str = setting("", "start a new run from these weights: another run's checkpoint, a torchvision ResNet state_dict file, or another script's checkpoint (weights under model, state_dict, ...; DDP's module. dropped); another class count keeps the new fc (fine-tuning)", CHECKPOINTS, defines_run=True, metavar="PATH")
-    command_batch: tuple = field(default=(), metadata={"internal": True})  # set by parse: a restart's --batch-size and --accumulation-steps (0: not given), not taken
-    saved_batch: tuple = field(default=(), metadata={"internal": True})  # set by parse: a continued run's (per-rank batch, accumulation steps), kept where the rank count allows
-    restarted: bool = field(default=False, metadata={"internal": True})  # set by parse: the command found its own run (its config.yaml) in --out-dir
     left_out: str = field(default="", metadata={"internal": True})  # set by parse: what an explicit --image-size left out, and whose ("--resolution-schedule R of preset P")
     flags_given: tuple = field(default=(), metadata={"internal": True})  # set by parse: the settings named on the command line
     preset_lr_batch: int = field(default=0, metadata={"internal": True})  # set by parse: the global batch of a preset whose lr the run keeps
@@ -150,7 +151,6 @@ GROUPS = {title: tuple(name for name, f in FIELDS.items() if f.metadata["group"]
           for title in (DATA, MODEL, OPTIMIZER, SPEED, DISTRIBUTED, BATCHNORM, CHECKPOINTS, EVALUATION, LOGGING, PRESETS)}
 DEFINING = tuple(name for name, f in FIELDS.items() if f.metadata["defines_run"])
 CHOICES = {name: f.metadata["choices"] for name, f in FIELDS.items() if f.metadata["choices"]}  # (no torch: a fast --help)
-PREEMPTED_MARKER = "PREEMPTED"  # written beside checkpoint.pt when a signal stopped the run
 
 
 def to_dict(cfg: Config) -> dict:

@@ -16,49 +16,43 @@ import contextlib
 
 from horovod.common.elastic import State
 
-from train import runlock
 from train.batches import epoch_split
 from train.errors import UsageError, raised_everywhere
 from train.host_memory import host_copy, replace_tensors
 
 
 class TrainingState(State):
-    """A run's state for Horovod Elastic: committed to host memory, restored after a failure, and
-    synchronised from the most advanced worker when the workers change."""
+    """A run's state for Horovod Elastic, as its checkpoints hold it (train/saving.py's Checkpoints):
+    committed to host memory, restored after a failure, and synchronised from the most advanced
+    worker when the workers change."""
 
-    def __init__(self, training):
-        self.training = training
-        hvd = training.engine.hvd
-        super().__init__(bcast_object=hvd.broadcast_object, get_rank=hvd.rank)
-        self.committed = host_copy(training.state_dict(training.samples_trained.saved))  # no collective here
+    def __init__(self, checkpoints, engine):
+        self.checkpoints, self.engine = checkpoints, engine
+        super().__init__(bcast_object=engine.hvd.broadcast_object, get_rank=engine.hvd.rank)
+        self.committed = host_copy(checkpoints.state_dict())  # (the ledger's last sum: no collective here)
 
     def save(self) -> None:
-        """A commit (every rank at the same step): the ledger's total needs one small all-reduce."""
-        self.committed = host_copy(self.training.state_dict(self.training.samples_trained.total(self.training.engine)))
+        """A commit (every rank at the same step): the ledger's sum needs one small all-reduce."""
+        self.committed = host_copy(self.checkpoints.state_dict(self.checkpoints.samples_total()))
 
     def restore(self) -> None:
         # from a copy: on the CPU the optimizer keeps the tensors it loads, and training on would
         # change the commit that a second failure must go back to
-        self.training.load_state_dict(replace_tensors(self.committed, lambda t: t.clone()))
+        self.checkpoints.load_state_dict(replace_tensors(self.committed, lambda t: t.clone()))
 
     def sync(self) -> None:
         """Every worker takes the state of the one furthest on (a joining worker has at most the last
         checkpoint; after a failure all hold the same commit): weights as tensors, the rest as objects."""
-        training, engine = self.training, self.training.engine
-        steps = engine.hvd.allgather_object(training.state.step)
+        checkpoints, engine = self.checkpoints, self.engine
+        held = checkpoints.state_dict()  # (live tensors: the broadcast writes the root's weights into the model)
+        steps = engine.hvd.allgather_object(held["step"])
         root = steps.index(max(steps))
-        engine.broadcast_tensors(engine.unwrap(training.model).state_dict(), root=root)
-        rest = training.state_dict(training.samples_trained.saved)
-        rest.pop("model")
+        engine.broadcast_tensors(held.pop("model"), root=root)
         # in host memory: a pickled GPU tensor would be unpickled onto the root's device on every worker
-        rest = replace_tensors(rest, lambda t: t.detach().cpu()) if engine.rank == root else None
+        rest = replace_tensors(held, lambda t: t.detach().cpu()) if engine.rank == root else None
         # (named: Horovod names it by the object's type otherwise, which differs between root and the rest)
-        training.load_state_dict(engine.hvd.broadcast_object(rest, root_rank=root, name="elastic.state"), weights=False)
-        self.committed = host_copy(training.state_dict(training.samples_trained.saved))
-
-    def reset(self) -> None:
-        """Horovod formed a new set of workers (hvd.init() again): take the new rank and count."""
-        rejoin(self.training)
+        checkpoints.load_state_dict(engine.hvd.broadcast_object(rest, root_rank=root, name="elastic.state"), weights=False)
+        self.committed = host_copy(checkpoints.state_dict())
 
 
 def rejoin(training) -> None:
@@ -78,27 +72,26 @@ def rejoin(training) -> None:
     except UsageError as err:  # (every worker decides alike)
         raise raised_everywhere(UsageError(f"with {engine.world_size} workers now: {err}, or global batches that "
                                            "every count from --min-np to --max-np divides"))
-    training.take_new_share()
     if engine.rank != old_rank and (engine.rank == 0 or old_rank == 0):
         # the run directory's lock goes with rank 0: the job keeps it across the change (train/runlock.py)
         if setup.lock:
             setup.lock.hand_over()
-        setup.lock = runlock.RunLock.acquire(training.out_dir, elastic=True) if engine.rank == 0 else None
+        setup.lock = setup.run_dir.take_lock(elastic=True) if engine.rank == 0 else None
         training.reopen_log()
     _, per_rank, steps = epoch_split(setup.cfg, training.state.epoch)
     training.log.workers(training.state.step, engine.world_size, per_rank, steps)
 
 
 def run_epochs(training, stop_signal) -> None:
-    """training.run_epochs under hvd.elastic.run, committing every --commit-every steps."""
+    """training.run_epochs under hvd.elastic.run, which the loop commits every --commit-every steps;
+    when Horovod formed a new set of workers (hvd.init() again), the training rejoins them."""
     import horovod.torch as hvd
 
-    state = TrainingState(training)
-    training.commit = state.commit
+    state = TrainingState(training.checkpoints, training.engine)
+    state.register_reset_callbacks([lambda: rejoin(training)])
 
     @hvd.elastic.run
     def epochs(state):
-        training.run_epochs(stop_signal)
+        training.run_epochs(stop_signal, commit=state.commit)
 
     epochs(state)
-

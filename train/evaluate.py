@@ -10,6 +10,7 @@ from data.transfer import to_device
 from models import build_model
 from train import checkpoint
 from train.config import Config
+from train.rundir import current_keys
 from train.inference import evaluated_logits
 from train.errors import UsageError
 from train.startup import on_every_rank, prepare_evaluation
@@ -64,12 +65,12 @@ def padded(batch: torch.Tensor, size: int) -> torch.Tensor:
     return whole
 
 
-def test_only(cfg: Config) -> tuple[float, float, int]:
+def test_only(cfg: Config, start=None) -> tuple[float, float, int]:
     """`--test-only`: the checkpoint in --out-dir evaluated over the validation set of its run's data
     (or --data-dir), on any engine and rank count; nothing in the run directory changes. The model is
     the checkpoint's run's (a model flag that contradicts it is refused), its weights the ones the run
-    evaluated (--raw-weights: the trained ones)."""
-    engine, precision, loader, state = prepare_evaluation(cfg)
+    evaluated (--raw-weights: the trained ones). `start`: cli.read_command's (its run directory)."""
+    engine, precision, loader, state = prepare_evaluation(cfg, start)
     settings = on_every_rank(engine, lambda: model_settings(cfg, state))
     model = build_model(settings["arch"], loader.num_classes, channels_last=cfg.channels_last,
                         blurpool=settings["blurpool"]).to(engine.device)
@@ -93,7 +94,7 @@ def model_settings(cfg: Config, state: dict) -> dict:
     """The model settings of the checkpoint's run, from its own record (a --resume that changed them
     after this checkpoint rewrote config.yaml). A flag given to --test-only that contradicts them is
     refused."""
-    recorded = state.get("config") or {}  # (none in a checkpoint of another script: the flags then)
+    recorded = current_keys(state.get("config") or {})  # (none in a checkpoint of another script: the flags then)
     settings = {}
     for name in MODEL_SETTINGS:
         asked = getattr(cfg, name)

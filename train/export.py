@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 
 from train.command import CommandParser
 from train.errors import UsageError
+from train.rundir import RunDir
 
 if TYPE_CHECKING:
     import torch
@@ -187,7 +188,7 @@ def parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="python -m train.export", usage="python -m train.export CHECKPOINT_OR_RUN --format "
                       "onnx|pt2 --out FILE [--raw-weights] [--tolerance X]", description=__doc__.split("\n\n")[0],
                       epilog="The file's input, output and metadata, and how to load it: docs/inference.md.")
-    p.add_argument("source", metavar="CHECKPOINT_OR_RUN", help="a checkpoint file or a run directory (its checkpoint.pt)")
+    p.add_argument("source", metavar="CHECKPOINT_OR_RUN", help=f"a checkpoint file or a run directory (its {RunDir.CHECKPOINT})")
     written = p.add_argument_group("the file written")
     written.add_argument("--format", required=True, choices=("onnx", "pt2"), metavar="NAME",
                          help="onnx (torch.onnx.export, for ONNX Runtime) or pt2 (torch.export.save); required")

@@ -1,7 +1,9 @@
 """The loop's hooks: what watches or wraps the training step from outside the loop (python -m
 train.bench's timers and profiler trace, the GPU check's sync check) is a LoopHooks that
 `train.loop.run(cfg, hooks=...)` calls at named points, so that nothing outside the loop replaces a
-method of Training or of a loader. Imports nothing: a command's --help may name hooks without torch."""
+method of Training or of a loader. A hook watches; what changes the run is the loop's own (Horovod
+Elastic's commit, a collective every rank makes at the same step, is given to Training.run_epochs by
+train/elastic.py). Imports nothing: a command's --help may name hooks without torch."""
 
 
 class LoopHooks:

@@ -25,6 +25,7 @@ from data.tree import IMAGE_EXTENSIONS
 from models import ARCHS, build_model, first_misfit
 from train import checkpoint
 from train.errors import UsageError
+from train.rundir import RunDir, current_keys
 
 
 @dataclass
@@ -44,18 +45,19 @@ class Trained:
     averaged: bool = False  # the weights are the run's --ema-decay average, not the trained ones
 
 
-WHAT_TO_DO = "give a checkpoint of this trainer (a run's checkpoint.pt or a kept copy) or its run directory"
+WHAT_TO_DO = f"give a checkpoint of this trainer (a run's {RunDir.CHECKPOINT} or a kept copy) or its run directory"
 
 
 def checkpoint_of(source: str | Path) -> Path:
     """The checkpoint file `source` names: itself, or a run directory's checkpoint.pt."""
     path = Path(source)
     if path.is_dir():
-        if not (path / "checkpoint.pt").is_file():
-            kept = sorted(p.name for p in path.glob("checkpoint*.pt"))
+        run_dir = RunDir(path)
+        if not run_dir.checkpoint.is_file():
+            kept = [p.name for p in run_dir.checkpoints()]
             also = f" (it holds {', '.join(kept)}: give one of them as a file)" if kept else ""
-            raise UsageError(f"{path} holds no checkpoint.pt{also}; {WHAT_TO_DO}")
-        return path / "checkpoint.pt"
+            raise UsageError(f"{path} holds no {RunDir.CHECKPOINT}{also}; {WHAT_TO_DO}")
+        return run_dir.checkpoint
     if not path.exists():
         raise UsageError(f"{path} does not exist; {WHAT_TO_DO}")
     return path
@@ -70,7 +72,7 @@ def load_trained(source: str | Path, device: torch.device, raw: bool = False) ->
     and what to do."""
     path = checkpoint_of(source)
     state = checkpoint.load(path, torch.device("cpu"), WHAT_TO_DO)
-    config = state.get("config") if isinstance(state.get("config"), dict) else {}
+    config = current_keys(state.get("config")) if isinstance(state.get("config"), dict) else {}
     arch, weights = config.get("arch"), checkpoint.evaluated_weights(state, raw)
     if arch not in ARCHS:
         raise UsageError(f"{path} records no model this trainer builds (arch {arch!r}); {WHAT_TO_DO}")

@@ -131,9 +131,10 @@ def flat_views(cache: dict, tensors: list[torch.Tensor], keep: int) -> FlatViews
     return cache[layout]
 
 
-def lars_param_groups(model: torch.nn.Module) -> list[dict]:
-    """Two groups: weights of convolutions and linear layers, then all BN parameters and biases
-    (excluded from trust ratio and weight decay, as in the MLPerf reference)."""
+def decay_param_groups(model: torch.nn.Module) -> list[dict]:
+    """Every optimizer's two groups: the weights of convolutions and linear layers, then all BN
+    parameters and biases (`lars_exclude`: no weight decay, and for LARS no trust ratio, as in the
+    MLPerf reference)."""
     excluded_ids = set()
     for module in model.modules():
         if isinstance(module, torch.nn.modules.batchnorm._NormBase):

@@ -9,8 +9,10 @@ the device between logging points; the only host syncs are at log points, epoch 
 
 What watches or wraps the step from outside (python -m train.bench's timers and profiler trace, the
 GPU check's sync check) is a hook given to `run(cfg, hooks=...)` (train/hooks.py), which the loop
-calls at named points. The step's parts are named ranges of a torch.profiler trace: "data wait" and
-"forward" here, "backward", "all-reduce" and "optimizer" in the engine's step (docs/bench.md).
+calls at named points; Horovod Elastic's commit is given to `Training.run_epochs` (train/elastic.py).
+What saves and restores the run is an object Training holds (train/saving.py's Checkpoints). The
+step's parts are named ranges of a torch.profiler trace: "data wait" and "forward" here, "backward",
+"all-reduce" and "optimizer" in the engine's step (docs/bench.md).
 """
 import contextlib
 import dataclasses
@@ -18,7 +20,6 @@ import gc
 import itertools
 import logging
 import time
-from pathlib import Path
 
 import torch
 from mlperf_logging.mllog import constants as K
@@ -29,23 +30,24 @@ from train import checkpoint
 from train.batches import epoch_split
 from train.bnstats import RecentBatches, StepStatistics, recompute_bn_statistics, share_bn_statistics
 from train.compiled import compile_in_place, run_shapes
-from train.config import Config
+from train.config import Config, Run
 from train.ema import WeightAverage
 from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
 from train.evaluate import evaluate, replicas_differing
 from train.hooks import HookList, LoopHooks
-from train.host_memory import reserve
 from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
 from train.runlog import RunLog, count, progress, run_header
-from train.saving import Checkpointing
-from train.schedule import EpochClock, EvalPlan, build_schedule, resolution_ramp
+from train.saving import Checkpoints
+from train.schedule import EpochClock, EpochPlan, EvalPlan, build_lr_schedule
 from train.startup import Setup, prepare
 from train.stopping import FlagChecks, StopSignal
 
 
-def run(cfg: Config, hooks: "tuple[LoopHooks, ...]" = ()) -> dict:
-    setup = prepare(cfg)  # train/startup.py: everything that can fail, before the run's first step
+def run(cfg: Config, hooks: "tuple[LoopHooks, ...]" = (), start=None) -> dict:
+    # train/startup.py: everything that can fail, before the run's first step (`start`: whether the run is
+    # new, restarted or resumed, where the command decided it already)
+    setup = prepare(cfg) if start is None else prepare(cfg, start)
     try:
         return _train(Training(setup, hooks))
     finally:  # the run directory is free for the next job however this one ends (a killed one's lock goes stale)
@@ -81,11 +83,15 @@ def _train(training: "Training") -> dict:
 @dataclasses.dataclass
 class RunState:
     """Where the run is: optimizer steps taken, epochs finished and steps into the current one, the
-    streak of non-finite losses (on the device), the last evaluation, and whether to stop."""
+    epoch's samples trained so far, the crop size the last epoch trained at, the streak of non-finite
+    losses (on the device), the last evaluation, and whether to stop. A checkpoint holds it
+    (train/saving.py)."""
     bad_steps: torch.Tensor
+    last_crop: int | None  # (the loader's size to start with; on a resume: the checkpoint's)
     step: int = 0
     epoch: int = 0
     step_in_epoch: int = 0
+    samples: SampleLedger = dataclasses.field(default_factory=SampleLedger)  # (checkpoints count the epoch's images)
     top1: float | None = None
     top5: float | None = None
     best_top1: float | None = None  # the best evaluation so far, at step best_step (--keep-checkpoints)
@@ -94,15 +100,16 @@ class RunState:
     stop: bool = False
 
 
-class Training(Checkpointing):
-    """A run's parts (engine, loader, model, optimizer, precision, schedule, log) and its state; what
-    saves and restores them is train/saving.py's."""
+class Training:
+    """A run's parts (engine, loader, model, optimizer, precision, schedule, log) and its state; its
+    checkpoints (train/saving.py) save and restore them. The settings and the loader are the Setup's,
+    read where used (Horovod Elastic's reshare replaces both)."""
 
     def __init__(self, setup: Setup, hooks: "tuple[LoopHooks, ...]" = ()):
         self.setup, self.hooks = setup, HookList(hooks)
         cfg, engine, loader = setup.cfg, setup.engine, setup.loader
-        self.cfg, self.engine, self.loader, self.precision = cfg, engine, loader, setup.precision
-        self.out_dir, device = Path(cfg.out_dir), engine.device
+        self.engine, self.precision = engine, setup.precision
+        self.out_dir, device = setup.run_dir.path, engine.device
         self.eval_plan = EvalPlan(cfg.eval_every, cfg.eval_offset, cfg.epochs)
         self.log = RunLog(self.out_dir if engine.rank == 0 else None, cfg, self.eval_plan)
         if device.type == "cuda":  # fixed shapes: let cuDNN pick its fastest kernels; TF32 for fp32 matmuls
@@ -113,41 +120,51 @@ class Training(Checkpointing):
         model = engine.sync_batchnorm(model, cfg.bn_span, cfg.bn_ghost_group)
         optimizer = build_optimizer(cfg, model)
         self.clock = EpochClock.of(cfg, loader.train_images)
-        self.schedule = build_schedule(cfg, self.clock)
+        self.lr_schedule, self.plan = build_lr_schedule(cfg, self.clock), EpochPlan.of(cfg, self.clock)
         self.recent = RecentBatches(cfg.bn_recompute_batches)
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
-        self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device))
+        self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device), last_crop=cfg.image_size)
         self.writer = checkpoint.Writer()  # rank 0's background checkpoint writes
-        self.samples_trained, self.skipped = SampleLedger(), SkippedFiles(engine, self.log.warning)
+        self.skipped = SkippedFiles(engine, self.log.warning)
         self.flag_checks = FlagChecks(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
-        self.commit = None  # Horovod Elastic's commit (train/elastic.py), every --commit-every steps
-        self.restart_flags = setup.restart_flags
-        self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
-        self.host_memory_unreserved = True  # (rank 0's checkpoint copies: host_memory.reserve)
         if setup.init:  # --init-from's weights, checked at start-up; every rank loads the same
             (weights, said), setup.init = setup.init, None  # (not held for the whole run once loaded)
             model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
             self.log.print(said)
         if cfg.compile:  # in place, before the engine wraps it: class and state_dict keys stay (docs/compile.md)
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # (a GPU-less host with nvcc: "No CUDA runtime")
-            compile_in_place(model, cfg.compile_mode, run_shapes(cfg, self.schedule, engine.world_size))
+            compile_in_place(model, cfg.compile_mode, run_shapes(cfg, self.plan, engine.world_size))
         self.model, self.optimizer = engine.wrap(model, optimizer)
         # --ema-decay: the average of the weights, the model evaluated and exported (from the broadcast weights on)
         self.ema = WeightAverage.of(cfg, engine.unwrap(self.model), loader.num_classes) if cfg.ema_decay else None
-        self.last_crop = cfg.image_size  # the crop size the last epoch trained at (the loader's size to start with)
+        self.checkpoints = Checkpoints(setup, model=self.model, optimizer=self.optimizer, ema=self.ema, state=self.state,
+                                       skipped=self.skipped, flag_checks=self.flag_checks, writer=self.writer, log=self.log)
         self.resumed = cfg.resume  # until the segment's first epoch starts
         if cfg.resume:  # every rank reads the checkpoint (after the engine's broadcast of rank 0's model)
-            self._resume()
-        self.lr = self.schedule.lr(max(self.state.step, 1))
-        self.loader_batch = (cfg.batch_size, cfg.accumulation_steps)  # the loader's per-rank batch and batches per step as built
+            self.checkpoints.resume()
+        self.lr = self.lr_schedule.lr(max(self.state.step, 1))
         self.step_statistics = StepStatistics(engine.unwrap(self.model))  # (--accumulation-steps: BN's, once a step)
+
+    @property
+    def cfg(self) -> Run:
+        return self.setup.cfg
+
+    @property
+    def loader(self):
+        return self.setup.loader
+
+    @property
+    def loader_split(self) -> tuple[int, int]:
+        """The per-rank batch and the batches per optimizer step the loader runs at now (its own state:
+        the settings' as built, then the epoch's batch phase)."""
+        return self.loader.batch_split
 
     def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
         header, device_name, layout = run_header(self.setup, cfg, self.precision, self.out_dir)
         self.log.setup(self.setup.started_ms, header, platform=f"{engine.world_size}x{device_name}", ranks=engine.world_size,
                        train_images=loader.train_images, val_images=loader.val_images,
-                       precision=self.precision.name, schedule=self.schedule)
+                       precision=self.precision.name, schedule=self.lr_schedule)
         for line in self.setup.warnings:
             self.log.warning(line)
         if engine.wire_note:  # (--fp16-allreduce where it does not simply send fp16)
@@ -159,7 +176,8 @@ class Training(Checkpointing):
         # (with how the ranks lie on the nodes, from their host names, and what they all train on)
         self.log.run_start(resumed_at if cfg.resume else None, topology=layout and {
             **layout, "hosts": engine.hosts, "sample_list_digest": loader.sample_list_digest})
-        self.started = self.last_checkpoint = time.time()
+        self.started = time.time()
+        self.checkpoints.last_saved = self.started  # (--checkpoint-every-minutes counts from the run's start)
         self.first_step = s.step  # where this segment of the run starts (0, or a resume's step)
         s.stop = s.step >= cfg.max_steps > 0
         self.hooks.run_started(self)
@@ -174,16 +192,18 @@ class Training(Checkpointing):
             self.hooks.reads_end(what)
 
     # the epochs ----------------------------------------------------------------------------------
-    def run_epochs(self, stop_signal: "StopSignal") -> None:
+    def run_epochs(self, stop_signal: "StopSignal", commit=None) -> None:
+        """The epochs left. `commit`: Horovod Elastic's (train/elastic.py), which the loop calls every
+        --commit-every steps and at each epoch's end but the last; None without it."""
         while self.state.epoch < self.cfg.epochs and not self.state.stop:
-            self.train_epoch(stop_signal)
+            self.train_epoch(stop_signal, commit)
             with self.host_may_read("the epoch's end"):
-                self.end_of_epoch()
+                self.end_of_epoch(commit)
             self.hooks.epoch_done()
         with self.host_may_read("the end"):
             self.check_replicas()
 
-    def train_epoch(self, stop_signal: "StopSignal") -> None:
+    def train_epoch(self, stop_signal: "StopSignal", commit=None) -> None:
         """The epoch's remaining steps: each batch through the optimizer step and its loss into the
         meters, a logging window every --log-every steps, and between steps what the run does now and
         then (the ranks' agreements, checkpoints, commits)."""
@@ -194,29 +214,29 @@ class Training(Checkpointing):
         self.window, self.epoch_meter = LossMeter(self.engine.device), LossMeter(self.engine.device)
         batches = self._epoch_batches()
         for first in batches:  # each step's first batch; the step takes the rest of its batches from the same iterator
-            loss = self.train_step(itertools.chain([first], itertools.islice(batches, self.loader_batch[1] - 1)))
+            loss = self.train_step(itertools.chain([first], itertools.islice(batches, self.loader_split[1] - 1)))
             self.hooks.step_done(s.step, loss)
             self.window.add(loss)
             self.epoch_meter.add(loss)
-            self._reserve_host_memory()
+            self.checkpoints.reserve_host_memory()
             if s.step % cfg.log_every == 0:
                 with self.host_may_read("a logging point"):
                     self._log_window()
             if s.step == cfg.max_steps:
                 s.stop = True
                 return
-            self._between_steps(stop_signal)
+            self._between_steps(stop_signal, commit)
 
     def _epoch_batches(self):
         """The loader's batches from where the epoch stands, on rank 0's progress bar, each asked for
-        in the trace's "data wait" range. Before its step each batch's sample positions go into
-        samples_trained (checkpoints count the epoch's images), and --bn-recompute-batches keeps a copy
+        in the trace's "data wait" range. Before its step each batch's sample positions go into the
+        state's samples (checkpoints count the epoch's images), and --bn-recompute-batches keeps a copy
         of the last few."""
         s = self.state
-        batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.schedule.augment(s.epoch))
-        passes = self.loader_batch[1]  # (the bar counts batches, each a global batch's 1/passes)
+        batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.plan.augment(s.epoch))
+        passes = self.loader_split[1]  # (the bar counts batches, each a global batch's 1/passes)
         batches = iter(progress(batches, (self.loader.steps_per_epoch - s.step_in_epoch) * passes,
-                                self.schedule.global_batch(s.epoch) // passes, self.engine.rank == 0, f"epoch {s.epoch + 1}"))
+                                self.plan.global_batch(s.epoch) // passes, self.engine.rank == 0, f"epoch {s.epoch + 1}"))
         while True:
             self.hooks.batch_asked()
             with record_function("data wait"):
@@ -225,18 +245,11 @@ class Training(Checkpointing):
                 return
             images, labels = batch
             self.hooks.batch_fetched(images, labels)
-            self.samples_trained.add(self.loader.last_positions)
+            s.samples.add(self.loader.last_positions)
             self.recent.add(images)
             yield images, labels
 
-    def _reserve_host_memory(self) -> None:
-        """Once, after the first step (the optimizer has its state): the host memory of rank 0's
-        checkpoint copies paged in (train/host_memory.py)."""
-        if self.host_memory_unreserved and self.engine.rank == 0 and self.cfg.checkpoints:
-            reserve(self.state_dict(self.samples_trained.saved))
-            self.host_memory_unreserved = False
-
-    def _between_steps(self, stop_signal: "StopSignal") -> None:
+    def _between_steps(self, stop_signal: "StopSignal", commit) -> None:
         """At the ranks' agreement points (train/stopping.py: spaced by what they cost), a stop signal on
         any rank checkpoints and stops the run, and rank 0's clock may call for a checkpoint; checkpoints
         every --checkpoint-every-steps; Horovod Elastic's commits (at an epoch's last step end_of_epoch
@@ -244,45 +257,38 @@ class Training(Checkpointing):
         cfg, s, engine = self.cfg, self.state, self.engine
         stop = late = False
         if self.flag_checks.due(s.step, engine.world_size):
-            stop, late = self.flag_checks.exchange(engine, s.step, [stop_signal.raised, self._checkpoint_late()])
+            stop, late = self.flag_checks.exchange(engine, s.step, [stop_signal.raised, self.checkpoints.due_by_clock()])
         if stop:
             with self.host_may_read("a checkpoint"):
-                self._preempt()
+                self.checkpoints.preempt()
         if s.step_in_epoch == self.loader.steps_per_epoch:
             return
         if late or (cfg.checkpoint_every_steps and s.step % cfg.checkpoint_every_steps == 0):
             with self.host_may_read("a checkpoint"):
-                self.save()
-        if self.commit and s.step % cfg.commit_every == 0:
+                self.checkpoints.save()
+        if commit and s.step % cfg.commit_every == 0:
             with self.host_may_read("a commit"):
-                self.commit()
-
-    def _checkpoint_late(self) -> bool:
-        """--checkpoint-every-minutes reads rank 0's clock, which the ranks agree on at their agreements
-        (--checkpoint-every-steps counts steps, alike on every rank)."""
-        minutes = self.cfg.checkpoint_every_minutes
-        return bool(minutes) and self.engine.rank == 0 and time.time() - self.last_checkpoint >= minutes * 60
+                commit()
 
     def _follow_epoch_schedule(self) -> None:
         """What the schedule sets per epoch for the loader. Progressive resizing: the epoch's training
         crop size. Batch-size control: the epoch's global batch; the loader's per-rank batch (and so
         its steps per epoch) follows. A change is logged."""
         s = self.state
-        size = self.schedule.image_size(s.epoch)
+        size = self.plan.image_size(s.epoch)
         if size != self.loader.train_size:
             self.loader.set_image_size(size)
         # said when the size changes from the last epoch trained (on a resume: the checkpoint's), and at every
         # resume into a ramp
-        if size != self.last_crop or (self.resumed and self.schedule.resolution):
-            changed = self.resumed and self.last_crop not in (None, size)
-            before = f" ({self.last_crop} px before the resume)" if changed else ""
+        if size != s.last_crop or (self.resumed and self.plan.resolution):
+            changed = self.resumed and s.last_crop not in (None, size)
+            before = f" ({s.last_crop} px before the resume)" if changed else ""
             self.log.print(f"epoch {s.epoch + 1}: training crops of {size} px{before}")
-        self.last_crop, self.resumed = size, False
+        s.last_crop, self.resumed = size, False
         global_batch, per_rank, steps = epoch_split(self.cfg, s.epoch)
-        if (per_rank, steps) != self.loader_batch:  # (a resumed run in a later phase changes without a log line)
+        if (per_rank, steps) != self.loader_split:  # (a resumed run in a later phase changes without a log line)
             self.loader.set_batch_size(per_rank, steps)
-            self.loader_batch = (per_rank, steps)
-        if s.step_in_epoch == 0 and s.epoch > 0 and global_batch != self.schedule.global_batch(s.epoch - 1):
+        if s.step_in_epoch == 0 and s.epoch > 0 and global_batch != self.plan.global_batch(s.epoch - 1):
             self.log.batch_change(s.epoch + 1, s.step, global_batch, per_rank, steps)
 
     def train_step(self, batches) -> torch.Tensor:
@@ -290,8 +296,8 @@ class Training(Checkpointing):
         the last pass's backward averages them over the ranks, then the update). Returns the mean loss
         of its batches on the device, 0 when it was not finite (a non-finite loss counts in the streak,
         not in the averages)."""
-        s, passes = self.state, self.loader_batch[1]
-        settings = self.schedule.step_settings(s.step + 1)
+        s, passes = self.state, self.loader_split[1]
+        settings = self.lr_schedule.step_settings(s.step + 1)
         for group in self.optimizer.param_groups:
             group.update(settings)
         self.lr = settings["lr"]
@@ -322,12 +328,25 @@ class Training(Checkpointing):
         s.step, s.step_in_epoch = s.step + 1, s.step_in_epoch + 1
         return torch.where(finite, loss, 0.0)
 
-    def load_state_dict(self, saved: dict, weights: bool = True) -> None:
-        """Checkpointing's (a resume; Horovod Elastic's rollback and state sync), and the crop size trained last."""
-        super().load_state_dict(saved, weights)
-        self.last_crop = crop_trained_last(saved)
+    @contextlib.contextmanager
+    def steps_aside(self):
+        """For a benchmark: yields a function that steps again on one batch (images, labels), each of the
+        step's passes on it. On leaving, what the run prints and logs after is put back as it was: its
+        position, its LR, the optimizer's settings (each step sets its own step's there) and the loss
+        scale. The weights and the optimizer's buffers keep the extra steps."""
+        s = self.state
+        position, lr, loss_scale = (s.step, s.epoch, s.step_in_epoch, s.bad_steps), self.lr, self.precision.state_dict()
+        settings = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
+        try:
+            yield lambda images, labels: self.train_step([(images, labels)] * self.loader_split[1])
+        finally:
+            s.step, s.epoch, s.step_in_epoch, s.bad_steps = position
+            self.lr = lr
+            for group, kept in zip(self.optimizer.param_groups, settings):
+                group.update(kept)
+            self.precision.load_state_dict(loss_scale)
 
-    def end_of_epoch(self) -> None:
+    def end_of_epoch(self, commit=None) -> None:
         """The epoch's figures, then an evaluation when due, a checkpoint when due, and the end."""
         cfg, s, steps_per_epoch = self.cfg, self.state, self.loader.steps_per_epoch
         number = s.epoch + 1  # MLLOG counts epochs from 1
@@ -335,11 +354,11 @@ class Training(Checkpointing):
         self.skipped.take(self.loader, "training")
         skipped = len(self.skipped.in_epoch)
         self._check_finite()
-        samples = dict(zip(("count", "sum", "sum_sq"), self.samples_trained.total(self.engine)))
+        samples = dict(zip(("count", "sum", "sum_sq"), self.checkpoints.samples_total()))
         finished = s.step_in_epoch == steps_per_epoch
         if finished:
             s.epoch, s.step_in_epoch, self.skipped.in_epoch = s.epoch + 1, 0, set()
-            self.samples_trained = SampleLedger()
+            s.samples = SampleLedger()
         figures = None
         if self.epoch_meter.steps:  # (none when a run resumes right after an epoch's last step)
             figures = dict(step=s.step, epoch=s.epoch + s.step_in_epoch / steps_per_epoch,
@@ -351,9 +370,9 @@ class Training(Checkpointing):
         if cfg.eval_every and ((finished and self.eval_plan.due(number)) or last or s.stop):
             self.evaluate(number)
         if s.stop or last or (finished and s.epoch % cfg.checkpoint_every == 0):
-            self.save("target" if s.reached_target else "epochs" if last else None)
-        if self.commit and not (s.stop or last):
-            self.commit()
+            self.checkpoints.save("target" if s.reached_target else "epochs" if last else None)
+        if commit and not (s.stop or last):
+            commit()
 
     def evaluate(self, epoch: int) -> None:
         evaluated = self.ema.evaluated() if self.ema else self.model  # (--ema-decay: the average)
@@ -375,14 +394,9 @@ class Training(Checkpointing):
         s.stop = s.stop or s.reached_target
 
     # Horovod Elastic (train/elastic.py) ----------------------------------------------------------
-    def take_new_share(self) -> None:
-        """Setup.reshare()'s settings and loader for the new rank count (the epoch sets batch and crops)."""
-        self.cfg, self.loader = self.setup.cfg, self.setup.loader
-        self.loader_batch = (self.cfg.batch_size, self.cfg.accumulation_steps)
-
     def reopen_log(self) -> None:  # (rank 0 moved: the run log is written by whoever is rank 0 now)
         self.log.close()
-        self.log = RunLog(self.out_dir if self.engine.rank == 0 else None, self.cfg, self.eval_plan)
+        self.log = self.checkpoints.log = RunLog(self.out_dir if self.engine.rank == 0 else None, self.cfg, self.eval_plan)
         self.log.take_over(self.state.step)
 
     def check_replicas(self) -> None:
@@ -390,7 +404,7 @@ class Training(Checkpointing):
             self.log.replicas(self.state.step, self.engine.world_size, replicas_differing(self.model, self.engine))
 
     def finish(self) -> dict:
-        self._wait_for_write()  # (the last checkpoint's copies)
+        self.checkpoints.wait_for_write()  # (the last checkpoint's copies)
         s, cfg = self.state, self.cfg
         seconds, images = time.time() - self.started, self.clock.images(s.step)
         steps, trained = s.step - self.first_step, images - self.clock.images(self.first_step)
@@ -425,15 +439,5 @@ class Training(Checkpointing):
         cfg, s = self.cfg, self.state
         if self.engine.any(int(s.bad_steps.item()) >= cfg.max_bad_steps):
             raise raised_everywhere(Diverged(f"loss was not finite for {cfg.max_bad_steps} consecutive steps (at step "
-                                        f"{s.step}); stopped, {self._left_to_continue()}; lower --lr"))
+                                        f"{s.step}); stopped, {self.checkpoints.left_to_continue()}; lower --lr"))
 
-
-def crop_trained_last(saved: dict) -> int | None:
-    """The training crop size of the last epoch a checkpoint's run trained, under the run's settings then
-    (a resume may change --resolution-schedule); None before its first step."""
-    run = saved.get("config") or {}
-    epoch = saved["epoch"] if saved["step_in_epoch"] else saved["epoch"] - 1  # (at an epoch's end: the one done)
-    if epoch < 0 or "image_size" not in run:
-        return None
-    ramp = resolution_ramp(run.get("resolution_schedule", ""))
-    return ramp(epoch) if ramp else run["image_size"]

@@ -13,13 +13,19 @@ the gradients into a flat buffer and one fill there.
 """
 import torch
 
-from train.lars import (LARS, amp_arguments, flat_views, gradients_in_layout, groups_with_gradients, in_layout_of,
-                        lars_param_groups, momentum_buffers, momentum_step)
+from train.config import CHOICES
+from train.lars import (LARS, amp_arguments, decay_param_groups, flat_views, gradients_in_layout, groups_with_gradients,
+                        in_layout_of, momentum_buffers, momentum_step)
 
 OPTIMIZERS = {}  # --optimizer NAME -> factory(cfg, model, lr) -> torch.optim.Optimizer
 
 
 def register(name: str):
+    """Registers a factory under one of the names --optimizer lists (train/config.py, where --help
+    reads them without loading torch)."""
+    if name not in CHOICES["optimizer"]:
+        raise ValueError(f"optimizer {name!r} is not one of --optimizer's choices; add it to them in train/config.py")
+
     def add(factory):
         OPTIMIZERS[name] = factory
         return factory
@@ -33,13 +39,13 @@ def build_optimizer(cfg, model: torch.nn.Module) -> torch.optim.Optimizer:
 @register("lars")
 def lars(cfg, model, lr):
     """MLPerf LARS: BatchNorm parameters and biases excluded from trust ratio and weight decay."""
-    return LARS(lars_param_groups(model), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
+    return LARS(decay_param_groups(model), lr=lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay,
                 eta=cfg.lars_eta, epsilon=cfg.lars_epsilon, compiled=cfg.lars_compile)
 
 
-def decay_groups(cfg, model) -> list[dict]:
+def groups_with_weight_decay(cfg, model) -> list[dict]:
     """Weight decay on the weights of convolutions and linear layers, none on BN parameters and biases."""
-    regular, excluded = lars_param_groups(model)
+    regular, excluded = decay_param_groups(model)
     regular["weight_decay"], excluded["weight_decay"] = cfg.weight_decay, 0.0
     return [regular, excluded]
 
@@ -47,7 +53,7 @@ def decay_groups(cfg, model) -> list[dict]:
 @register("sgd")
 def sgd(cfg, model, lr):
     """Momentum SGD, weight decay on the weights of convolutions and linear layers only."""
-    return SGD(decay_groups(cfg, model), lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
+    return SGD(groups_with_weight_decay(cfg, model), lr=lr, momentum=cfg.momentum, nesterov=cfg.nesterov)
 
 
 class SGD(torch.optim.SGD):
@@ -71,8 +77,8 @@ class SGD(torch.optim.SGD):
 def rmsprop_warmup(cfg, model, lr):
     """Akiba et al.'s RMSprop warm-up: RMSprop blended into momentum SGD, the SGD share set by the
     schedule at every step (schedule.SgdShareRamp); weight decay as for SGD."""
-    return RMSpropWarmup(decay_groups(cfg, model), lr=lr, momentum=cfg.momentum, alpha=cfg.rmsprop_alpha,
-                         eps=cfg.rmsprop_epsilon, rms_lr_ratio=cfg.rmsprop_lr_ratio)
+    return RMSpropWarmup(groups_with_weight_decay(cfg, model), lr=lr, momentum=cfg.momentum,
+                         alpha=cfg.rmsprop_alpha, eps=cfg.rmsprop_epsilon, rms_lr_ratio=cfg.rmsprop_lr_ratio)
 
 
 class RMSpropWarmup(torch.optim.Optimizer):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from train.command import CommandParser
 from train.errors import UsageError
+from train.rundir import RunDir
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ def parser() -> argparse.ArgumentParser:
     p = CommandParser(prog="python -m train.predict", usage=USAGE, description=__doc__.splitlines()[0],
                       epilog="Examples and details: docs/inference.md.")
     p.add_argument("inputs", nargs="+", metavar="CHECKPOINT_OR_RUN PATH",
-                   help="a checkpoint file or a run directory (its checkpoint.pt), then image files and folders "
+                   help=f"a checkpoint file or a run directory (its {RunDir.CHECKPOINT}), then image files and folders "
                         "(searched recursively); with --onnx, image files and folders only")
     model = p.add_argument_group("the model")
     model.add_argument("--onnx", metavar="FILE", help="classify with ONNX Runtime and this file of python -m "

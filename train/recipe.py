@@ -20,7 +20,7 @@ from train.errors import UsageError
 from train.engines import detect_launch
 from train.batches import batch_sizes, epoch_split
 from train.rules import DEFAULT_PER_RANK_BATCH, lr_and_warmup
-from train.schedule import EpochClock, batch_phases, build_schedule
+from train.schedule import EpochClock, EpochPlan, batch_phases, build_lr_schedule
 from train.startup import check_batch_phases, resolved
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
@@ -55,14 +55,14 @@ def recipe(cfg: Config) -> dict:
         clock = EpochClock.of(cfg, train_images)
     except ValueError as err:
         raise UsageError(str(err)) from None
-    schedule = build_schedule(cfg, clock)
+    schedule, plan = build_lr_schedule(cfg, clock), EpochPlan.of(cfg, clock)
     epochs = []
     for epoch in range(cfg.epochs):
         first, last = clock.first_step(epoch) + 1, clock.first_step(epoch + 1)
         entry = {"epoch": epoch + 1, "global_batch": clock.global_batch(epoch),
                  "accumulation_steps": epoch_split(cfg, epoch)[2], "lr_first": schedule.lr(first),
-                 "lr_last": schedule.lr(last), "image_size": schedule.image_size(epoch),
-                 "augment": schedule.augment(epoch)}
+                 "lr_last": schedule.lr(last), "image_size": plan.image_size(epoch),
+                 "augment": plan.augment(epoch)}
         settings = schedule.step_settings(first)
         if "sgd_share" in settings:
             entry["sgd_share"] = settings["sgd_share"]

@@ -16,6 +16,7 @@ from mlperf_logging.mllog import constants as K
 from mlperf_logging.mllog.mllog import MLLogger
 
 from data.progress import clock_time
+from train.rundir import RunDir
 
 
 class RunLog:
@@ -34,11 +35,12 @@ class RunLog:
         logger = logging.getLogger(f"trainer.mllog.{id(self)}")
         logger.propagate = False
         logger.setLevel(logging.INFO)
-        self._handler = logging.FileHandler(out_dir / "mllog.txt")
+        run_dir = RunDir(out_dir)
+        self._handler = logging.FileHandler(run_dir.mllog)
         logger.addHandler(self._handler)
         self.mllog = MLLogger(logger=logger, default_stack_offset=2)
-        self._previous = _previous_segment(out_dir / "metrics.jsonl")
-        self._metrics = open(out_dir / "metrics.jsonl", "a", buffering=1)
+        self._previous = _previous_segment(run_dir.metrics)
+        self._metrics = open(run_dir.metrics, "a", buffering=1)
 
     def take_over(self, step: int) -> None:
         """Horovod Elastic made this worker rank 0 in the middle of the run, going on from `step`: it
@@ -60,8 +62,8 @@ class RunLog:
     # what happened -------------------------------------------------------------------------------
     def setup(self, init_start_ms: int, header: str, *, platform: str, ranks: int, train_images: int, val_images: int,
               precision: str, schedule) -> None:
-        """The run's settings: MLLOG's init_start (taken before any set-up work) and keys, the header line,
-        and what a continued run kept of its batch (batch_kept)."""
+        """The run's settings: MLLOG's init_start (taken before any set-up work) and keys, and the header
+        (run_header's lines)."""
         cfg = self.cfg
         self._start(K.INIT_START, time_ms=init_start_ms)
         for key, value in [
@@ -75,22 +77,6 @@ class RunLog:
         ]:
             self._event(key, value)
         self.print(header)
-        self.batch_kept(ranks)
-
-    def batch_kept(self, ranks: int) -> None:
-        """A continued run's batch on this rank count: its per-rank batch kept with other accumulation steps
-        (a line), and a restart's --batch-size or --accumulation-steps that the run's own override (a warning)."""
-        cfg = self.cfg
-        split = f"{cfg.batch_size} per rank{accumulated(cfg.accumulation_steps)}"
-        if cfg.saved_batch and cfg.saved_batch[0] == cfg.batch_size and cfg.saved_batch[1] != cfg.accumulation_steps:
-            before = cfg.global_batch_size // (cfg.saved_batch[0] * cfg.saved_batch[1])
-            self.print(f"global batch {cfg.global_batch_size} kept on {ranks} rank(s) as {split} (was {before} rank(s) x "
-                       f"{cfg.saved_batch[1]} accumulated): the same run, the per-rank batch unchanged")
-        asked = [f"{flag} {value}" for flag, value, resolved in zip(("--batch-size", "--accumulation-steps"), cfg.command_batch,
-                                                                     (cfg.batch_size, cfg.accumulation_steps)) if value and value != resolved]
-        if asked:
-            self.warning(f"{' and '.join(asked)} not taken: {self.out_dir} holds a run of global batch {cfg.global_batch_size}, "
-                         f"kept on {ranks} rank(s) as {split}; change it with --resume --global-batch-size")
 
     def warning(self, line: str, **record) -> None:
         self.print(f"warning: {line}")
@@ -305,8 +291,9 @@ def progress(batches, steps: int, images_per_step: int, enabled: bool, desc: str
 
 def run_header(setup, cfg, precision, out_dir: Path) -> tuple[str, str, dict]:
     """The run's first line (the model and data, ranks and batch, optimizer and LR schedule, training
-    crops and evaluation, precision and threads, loader, run directory), the device's name, and how
-    the ranks lie on the nodes (from their host names)."""
+    crops and evaluation, precision and threads, loader, run directory) with the lines on what a
+    continued run kept of its batch below it (batch_kept), the device's name, and how the ranks lie on
+    the nodes (from their host names)."""
     import platform
     import torch
     from train.device_choices import loader_summary
@@ -331,7 +318,25 @@ def run_header(setup, cfg, precision, out_dir: Path) -> tuple[str, str, dict]:
         f"{count(torch.get_num_threads(), 'thread')}",  # (what the precision follows)
         loader_summary(cfg.loader, cfg.dali_decode, cfg.workers, device),
         str(out_dir)])
-    return header, device_name, layout
+    return "\n".join([header, *batch_kept(setup.start, cfg, engine.world_size, out_dir)]), device_name, layout
+
+
+def batch_kept(start, cfg, ranks: int, out_dir) -> list[str]:
+    """A continued run's batch on this rank count (`start`: rundir.Start): its per-rank batch kept with
+    other accumulation steps (a line), and a restart's --batch-size or --accumulation-steps that the
+    run's own override (a warning)."""
+    saved, command = (start.saved_batch, start.command_batch) if start else ((), ())
+    split, lines = f"{cfg.batch_size} per rank{accumulated(cfg.accumulation_steps)}", []
+    if saved and saved[0] == cfg.batch_size and saved[1] != cfg.accumulation_steps:
+        before = cfg.global_batch_size // (saved[0] * saved[1])
+        lines.append(f"global batch {cfg.global_batch_size} kept on {ranks} rank(s) as {split} (was {before} rank(s) x "
+                     f"{saved[1]} accumulated): the same run, the per-rank batch unchanged")
+    asked = [f"{flag} {value}" for flag, value, resolved in zip(("--batch-size", "--accumulation-steps"), command,
+                                                                 (cfg.batch_size, cfg.accumulation_steps)) if value and value != resolved]
+    if asked:
+        lines.append(f"warning: {' and '.join(asked)} not taken: {out_dir} holds a run of global batch "
+                     f"{cfg.global_batch_size}, kept on {ranks} rank(s) as {split}; change it with --resume --global-batch-size")
+    return lines
 
 
 def accumulated(steps: int) -> str:
@@ -372,7 +377,7 @@ def crops_summary(cfg, note: str = "") -> str:
     """The training crops (a size, or --resolution-schedule's ramp) with start-up's `note` on them, and
     the evaluation where it is not a plain centre crop at the training size (its size always beside a
     ramp: it is --image-size's, which no training epoch may have)."""
-    from train.schedule import resolution_ramp
+    from train.crops import resolution_ramp
     ramp = resolution_ramp(cfg.resolution_schedule)
     crops = f"crops {ramp.start} to {ramp.end} px" if ramp else f"crops {cfg.image_size} px"
     said = ([f"ramp {cfg.resolution_schedule}"] if ramp else []) + ([note] if note else [])

@@ -1,21 +1,23 @@
-"""What changes during a run, in one place the loop asks at every step and epoch.
+"""What changes during a run, asked by the loop at every step and epoch, in two objects.
 
-A schedule answers `step_settings(k)`: the optimizer settings of the k-th optimizer step (the
-learning rate; for a blended optimizer also its momentum-SGD share), `global_batch(epoch)`: the
-global batch of an epoch (batch-size control), `image_size(epoch)`: its training crop size
-(progressive resizing), and `augment(epoch)`: whether training augmentation is on in that epoch
-(all 0-based). Schedules are registered by name (`--lr-schedule`); a new
-recipe mechanism is a new class here, not a branch in the loop.
+The LR schedule (LRSchedule, one subclass per --lr-schedule, registered by name) answers
+`step_settings(k)`: the optimizer settings of the k-th optimizer step (the learning rate; for a
+blended optimizer also its momentum-SGD share). Every schedule warms up linearly per step from
+--warmup-start-lr to the peak over the warmup, then follows its own shape; a new recipe mechanism is
+a new class here, not a branch in the loop.
 
-Every schedule warms up linearly per step from --warmup-start-lr to the peak over the warmup, then
-follows its own shape. Under batch-size control (--batch-schedule) the steps per epoch change with
-the global batch (EpochClock), and the peak LR of a later batch phase is the first one scaled by
-the LR rule's ratio for the two batches (docs/learning_rate.md).
+The EpochPlan answers, per epoch (0-based): `global_batch(epoch)` (batch-size control),
+`image_size(epoch)`: its training crop size (progressive resizing, train/crops.py), and
+`augment(epoch)`: whether training augmentation is on. Under batch-size control (--batch-schedule)
+the steps per epoch change with the global batch (EpochClock), and the peak LR of a later batch
+phase is the first one scaled by the LR rule's ratio for the two batches (docs/learning_rate.md).
 """
 import math
 from bisect import bisect_left
 
-SCHEDULES = {}  # --lr-schedule NAME -> class built by build_schedule
+from train.crops import ResolutionRamp, resolution_ramp
+
+SCHEDULES = {}  # --lr-schedule NAME -> LRSchedule subclass (build_lr_schedule)
 
 
 def register(name: str):
@@ -105,102 +107,6 @@ class EpochClock:
         return before + (steps_done - self.first[epoch]) * self.global_batch(epoch)
 
 
-class ResolutionRamp:
-    """Progressive resizing (--resolution-schedule 'START:END:FROM:TO[:STEP]'): the training crop size
-    of an epoch, START until FROM epochs are done, END once TO are, and between them a straight line
-    in the epochs done rounded to the nearest multiple of STEP (32 unless given), as FFCV's ImageNet
-    example ramps it. Small crops early are cheap (a step's work grows with the pixels) and, with the
-    evaluation at a higher resolution, cost little accuracy (Touvron et al. 2019)."""
-
-    def __init__(self, start: int, end: int, first: int, last: int, step: int = 32):
-        self.start, self.end, self.first, self.last, self.step = start, end, first, last, step
-
-    def __call__(self, epoch: int) -> int:
-        """The crop size of the epoch (0-based: `epoch` epochs are done before it)."""
-        if epoch >= self.last:
-            return self.end
-        if epoch <= self.first:
-            return self.start
-        size = self.start + (self.end - self.start) * (epoch - self.first) / (self.last - self.first)
-        rounded = round(size / self.step) * self.step  # (half to even, as numpy's round in FFCV's)
-        return min(max(rounded, min(self.start, self.end)), max(self.start, self.end))
-
-    def sizes(self, epochs: int) -> list[int]:
-        return [self(epoch) for epoch in range(epochs)]
-
-
-# every crop size in px (--image-size, --eval-image-size, the ramp's ends; docs/time_to_accuracy.md)
-MIN_CROP, MAX_CROP = 16, 1024
-NO_RAMP = ("", "none", "off")  # --resolution-schedule's words for "no ramp"
-
-
-def resolution_ramp(text: str) -> ResolutionRamp | None:
-    """--resolution-schedule's ramp, None for '', 'none' or 'off'; a ValueError naming the flag, the
-    value and what to give when it is not one."""
-    if text.strip().lower() in NO_RAMP:
-        return None
-    said, example = f"--resolution-schedule {text!r}", "e.g. 160:192:65:76"
-    parts = [part.strip() for part in text.split(":")]
-    if len(parts) not in (4, 5):
-        raise ValueError(f"{said}: has {len(parts)} value{'s' if len(parts) > 1 else ''}, not 4 or 5; give "
-                         f"START:END:FROM:TO[:STEP], {example}")
-    numbers = []
-    units = ("pixels", "pixels", "epochs", "epochs", "pixels")
-    for part, name, unit in zip(parts, ("START", "END", "FROM", "TO", "STEP"), units):
-        try:
-            numbers.append(int(part))
-        except ValueError:
-            what = f"{part} is not a whole number" if _is_number(part) else f"{part!r} is not a number"
-            raise ValueError(f"{said}: {name} {what} of {unit}; give whole {unit}, {example}") from None
-    start, end, first, last, step = numbers + [32] * (5 - len(numbers))
-    for name, size in (("START", start), ("END", end)):
-        if not MIN_CROP <= size <= MAX_CROP:
-            raise ValueError(f"{said}: {name} {size} is not a crop size from {MIN_CROP} to {MAX_CROP} px; give one "
-                             f"in that range, {example}")
-    if step < 8 or step % 8:
-        raise ValueError(f"{said}: STEP {step} is not a positive multiple of 8 (the ramp rounds its sizes to multiples of "
-                         "STEP); give 8, 16, 32 or another multiple of 8, e.g. 160:192:65:76:32")
-    if first < 0:
-        raise ValueError(f"{said}: FROM {first} is not 0 or more; give the epochs done before the ramp, {example}")
-    if last < first:
-        raise ValueError(f"{said}: FROM {first} is after TO {last}; give FROM not above TO, {example}")
-    return ResolutionRamp(start, end, first, last, step)
-
-
-def _is_number(text: str) -> bool:
-    try:
-        float(text)
-    except ValueError:
-        return False
-    return True
-
-
-def crop_note(cfg) -> str:
-    """The header's word on a run's training crops, "" when there is none to say: the ramp and the
-    evaluation size an explicit --image-size left out (train/cli.py), a ramp that never moves within the run's epochs (the crop
-    size it keeps), a ramp that shrinks."""
-    notes = [f"{cfg.left_out} left out: --image-size {cfg.image_size} given"] if cfg.left_out else []
-    ramp = resolution_ramp(cfg.resolution_schedule)
-    if ramp and ramp.start != ramp.end:
-        if set(ramp.sizes(cfg.epochs)) == {ramp.start}:
-            why = f"FROM {ramp.first}" if ramp.first >= cfg.epochs - 1 else f"rounded to multiples of {ramp.step}"
-            notes.append(f"the ramp keeps {ramp.start} px crops throughout this {cfg.epochs}-epoch run ({why})")
-        elif ramp.end < ramp.start:
-            notes.append(f"the ramp shrinks the training crops from {ramp.start} to {ramp.end} px")
-    return "; ".join(notes)
-
-
-def training_crops(image_size: int, resolution_schedule: str) -> tuple[int, int]:
-    """The smallest and the largest training crop of a run (the ramp's steps stay between its ends)."""
-    ramp = resolution_ramp(resolution_schedule)
-    return (min(ramp.start, ramp.end), max(ramp.start, ramp.end)) if ramp else (image_size, image_size)
-
-
-def largest_image_size(cfg) -> int:
-    """The largest training crop of a run (what its per-GPU batch must fit)."""
-    return training_crops(cfg.image_size, cfg.resolution_schedule)[1]
-
-
 class SgdShareRamp:
     """The momentum-SGD share of a blended update (--optimizer rmsprop-warmup) against epochs done:
     0 before center - width/2, 1 after center + width/2, a half-cosine between. Akiba et al. describe
@@ -217,40 +123,36 @@ class SgdShareRamp:
         return 0.5 - 0.5 * math.cos(math.pi * t)
 
 
-class Schedule:
-    """Warmup from `start_lr` over `warmup_steps` steps to decayed(warmup_steps, peak) (the peak
-    itself unless a decay step or phase falls inside the warmup), then `decayed(step, peak)`."""
-    start_lr = 0.0
-    augment_off_epoch = 0  # from this epoch on (1-based), no augmentation; 0: never
-    share = None  # SgdShareRamp of a blended optimizer
-    clock = None
-    resolution = None  # ResolutionRamp of progressive resizing
-    base_size = 224  # the training crop size without one (--image-size)
+class LRSchedule:
+    """The optimizer settings of each optimizer step k (1-based): the LR warms up linearly from
+    `start_lr` over `warmup_steps` steps to decayed(warmup_steps, peak) (the peak itself unless a decay
+    step or phase falls inside the warmup), then follows `decayed(step, peak)`, the subclass's shape.
+    Under batch-size control a later batch phase has its own peak (`phase_peaks`: the last step before
+    the phase, its peak); a blended optimizer's momentum-SGD share (`share`, against the epochs that
+    `clock` says are done) rides along in step_settings. Built whole by `of`; what changes per epoch
+    is the EpochPlan's."""
 
-    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int):
+    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int, *, start_lr: float = 0.0,
+                 phase_peaks: tuple = (), share: SgdShareRamp | None = None, clock: EpochClock | None = None):
         if total_steps <= 0:
             raise ValueError("total_steps must be positive")
-        self.base_lr, self.total_steps = base_lr, total_steps
+        if share is not None and clock is None:
+            raise ValueError("an SGD share ramp needs the run's EpochClock (its steps against epochs)")
+        self.base_lr, self.total_steps, self.start_lr = base_lr, total_steps, start_lr
         self.warmup_steps = min(max(warmup_steps, 0), total_steps)
-        self.phase_peaks = []  # (last step before a later batch phase, that phase's peak LR)
+        self.phase_peaks, self.share, self.clock = tuple(phase_peaks), share, clock
 
     @classmethod
-    def from_settings(cls, cfg, clock: EpochClock) -> "Schedule":
-        schedule = cls.build(cfg, clock)
-        schedule.clock, schedule.start_lr, schedule.augment_off_epoch = clock, cfg.warmup_start_lr, cfg.augment_off_epoch
-        schedule.resolution, schedule.base_size = resolution_ramp(cfg.resolution_schedule), cfg.image_size
-        if cfg.optimizer == "rmsprop-warmup":
-            schedule.share = SgdShareRamp(cfg.sgd_share_center, cfg.sgd_share_width)
-        if len(clock.phases) > 1:
-            from train.rules import rule_lr_and_warmup
-            first = rule_lr_and_warmup(cfg.optimizer, clock.phases[0][1])[0]
-            schedule.phase_peaks = [(clock.first_step(done), cfg.lr * rule_lr_and_warmup(cfg.optimizer, batch)[0] / first)
-                                    for done, batch in clock.phases[1:]]
-        return schedule
+    def of(cls, cfg, clock: EpochClock) -> "LRSchedule":
+        """The run's schedule, whole, from its settings and the optimizer steps of its epochs."""
+        share = SgdShareRamp(cfg.sgd_share_center, cfg.sgd_share_width) if cfg.optimizer == "rmsprop-warmup" else None
+        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps, start_lr=cfg.warmup_start_lr,
+                   phase_peaks=phase_peaks(cfg, clock), share=share, clock=clock, **cls.shape_settings(cfg, clock))
 
     @classmethod
-    def build(cls, cfg, clock: EpochClock) -> "Schedule":
-        raise NotImplementedError
+    def shape_settings(cls, cfg, clock: EpochClock) -> dict:
+        """The keyword arguments of the subclass's own shape (its decay), from the run's settings."""
+        return {}
 
     def peak(self, step: int) -> float:
         return ([self.base_lr] + [lr for last, lr in self.phase_peaks if step > last])[-1]
@@ -267,32 +169,60 @@ class Schedule:
         raise NotImplementedError
 
     def step_settings(self, step: int) -> dict:
+        """The param-group settings of the step: `lr`, and `sgd_share` for a blended optimizer."""
         settings = {"lr": self.lr(step)}
         if self.share is not None:
             settings["sgd_share"] = self.share(self.clock.progress(step - 1))
         return settings
-
-    def global_batch(self, epoch: int) -> int:
-        return self.clock.global_batch(epoch)
-
-    def image_size(self, epoch: int) -> int:
-        """The training crop size of an epoch (0-based)."""
-        return self.resolution(epoch) if self.resolution else self.base_size
-
-    def augment(self, epoch: int) -> bool:
-        return not (self.augment_off_epoch and epoch + 1 >= self.augment_off_epoch)
 
     def mllog_settings(self) -> dict:
         """The schedule's own MLLOG keys, without the optimizer's prefix (lars_opt_, sgd_opt_)."""
         return {}
 
 
-def build_schedule(cfg, clock: EpochClock) -> Schedule:
-    return SCHEDULES[cfg.lr_schedule].from_settings(cfg, clock)
+def phase_peaks(cfg, clock: EpochClock) -> tuple:
+    """(last step before a later batch phase, that phase's peak LR): the first peak scaled by the LR
+    rule's ratio for the two global batches (docs/learning_rate.md); () without batch-size control."""
+    if len(clock.phases) == 1:
+        return ()
+    from train.rules import rule_lr_and_warmup
+    first = rule_lr_and_warmup(cfg.optimizer, clock.phases[0][1])[0]
+    return tuple((clock.first_step(done), cfg.lr * rule_lr_and_warmup(cfg.optimizer, batch)[0] / first)
+                 for done, batch in clock.phases[1:])
+
+
+def build_lr_schedule(cfg, clock: EpochClock) -> LRSchedule:
+    """The run's LR schedule, the one --lr-schedule names."""
+    return SCHEDULES[cfg.lr_schedule].of(cfg, clock)
+
+
+class EpochPlan:
+    """What the loop sets at the start of each epoch (0-based): its global batch (--batch-schedule,
+    through the clock), its training crop size (--resolution-schedule's ramp, else --image-size) and
+    whether training augmentation is on (off from --augment-off-epoch, counted from 1; 0: never)."""
+
+    def __init__(self, clock: EpochClock, image_size: int, resolution: ResolutionRamp | None = None,
+                 augment_off_epoch: int = 0):
+        self.clock, self.base_size, self.resolution = clock, image_size, resolution
+        self.augment_off_epoch = augment_off_epoch
+
+    @classmethod
+    def of(cls, cfg, clock: EpochClock) -> "EpochPlan":
+        return cls(clock, cfg.image_size, resolution_ramp(cfg.resolution_schedule), cfg.augment_off_epoch)
+
+    def global_batch(self, epoch: int) -> int:
+        return self.clock.global_batch(epoch)
+
+    def image_size(self, epoch: int) -> int:
+        """The training crop size of an epoch."""
+        return self.resolution(epoch) if self.resolution else self.base_size
+
+    def augment(self, epoch: int) -> bool:
+        return not (self.augment_off_epoch and epoch + 1 >= self.augment_off_epoch)
 
 
 @register("warmup-poly")
-class WarmupPolySchedule(Schedule):
+class WarmupPolySchedule(LRSchedule):
     """Per-step LR of MLPerf LARS (docs/lars.md): lr(k) for the k-th optimizer step, k = 1..total_steps.
 
     warmup (k <= W):  base * k / W
@@ -301,13 +231,13 @@ class WarmupPolySchedule(Schedule):
     """
 
     def __init__(self, base_lr: float, warmup_steps: int, total_steps: int,
-                 end_lr: float = 1e-4, power: float = 2.0):
-        super().__init__(base_lr, warmup_steps, total_steps)
+                 end_lr: float = 1e-4, power: float = 2.0, **common):
+        super().__init__(base_lr, warmup_steps, total_steps, **common)
         self.end_lr, self.power = end_lr, power
 
     @classmethod
-    def build(cls, cfg, clock):
-        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps, cfg.end_lr, cfg.lr_decay_power)
+    def shape_settings(cls, cfg, clock):
+        return {"end_lr": cfg.end_lr, "power": cfg.lr_decay_power}
 
     def mllog_settings(self) -> dict:
         return {"end_learning_rate": self.end_lr, "learning_rate_decay_poly_power": self.power,
@@ -322,13 +252,9 @@ class WarmupPolySchedule(Schedule):
         return self.end_lr + (peak - self.end_lr) * (1.0 - done) ** self.power
 
 
-class ToZeroSchedule(Schedule):
+class ToZeroSchedule(LRSchedule):
     """A step-free decay from the peak at the warmup's end to 0 at the last step (k = total_steps):
     `shape(done)` gives the fraction of the peak left when `done` of the decay steps are taken."""
-
-    @classmethod
-    def build(cls, cfg, clock):
-        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps)
 
     def decayed(self, step: int, peak: float) -> float:
         decay_steps = self.total_steps - self.warmup_steps
@@ -359,19 +285,19 @@ class LinearSchedule(ToZeroSchedule):
 
 
 @register("multistep")
-class MultiStepSchedule(Schedule):
+class MultiStepSchedule(LRSchedule):
     """Goyal et al.'s step decay: the peak times factor ** (milestones passed); a milestone is the
     last step of an epoch listed in --lr-decay-epochs."""
 
-    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int, milestones: list[int], factor: float):
-        super().__init__(base_lr, warmup_steps, total_steps)
+    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int, milestones: list[int], factor: float,
+                 **common):
+        super().__init__(base_lr, warmup_steps, total_steps, **common)
         self.milestones, self.factor = milestones, factor
 
     @classmethod
-    def build(cls, cfg, clock):
-        epochs = decay_epochs(cfg.lr_decay_epochs)
-        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps,
-                   [clock.first_step(e) for e in epochs], cfg.lr_decay_factor)
+    def shape_settings(cls, cfg, clock):
+        return {"milestones": [clock.first_step(e) for e in decay_epochs(cfg.lr_decay_epochs)],
+                "factor": cfg.lr_decay_factor}
 
     def decayed(self, step: int, peak: float) -> float:
         return peak * self.factor ** sum(step > last for last in self.milestones)
@@ -388,21 +314,21 @@ def decay_epochs(text: str) -> list[int]:
 
 
 @register("phases")
-class PhasesSchedule(Schedule):
+class PhasesSchedule(LRSchedule):
     """Akiba et al.'s slow start: piecewise-constant phases of the peak LR (--lr-phases
     'EPOCHS:FACTOR,...'); after the last phase its factor stays."""
 
-    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int, phases: list[tuple[int, float]]):
-        super().__init__(base_lr, warmup_steps, total_steps)
+    def __init__(self, base_lr: float, warmup_steps: int, total_steps: int, phases: list[tuple[int, float]], **common):
+        super().__init__(base_lr, warmup_steps, total_steps, **common)
         self.phases = phases  # (last step of the phase, factor)
 
     @classmethod
-    def build(cls, cfg, clock):
+    def shape_settings(cls, cfg, clock):
         phases, done = [], 0
         for epochs, factor in lr_phases(cfg.lr_phases):
             done += epochs
             phases.append((clock.steps_until(done), factor))
-        return cls(cfg.lr, clock.steps_until(cfg.warmup_epochs), clock.total_steps, phases)
+        return {"phases": phases}
 
     def decayed(self, step: int, peak: float) -> float:
         return peak * next((factor for last, factor in self.phases if step <= last), self.phases[-1][1])

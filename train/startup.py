@@ -4,15 +4,12 @@ before the run directory exists, and handed to the loop as one object (`prepare`
 A failure on any rank is raised on every rank (`on_every_rank`), so no rank goes on alone and none
 waits for one that stopped; such an error is marked `raised_everywhere` and printed once, by rank 0.
 """
-import contextlib
 import dataclasses
 import os
-import shutil
 import time
 from pathlib import Path
 
 import torch
-import yaml
 
 from data import DataError, LoaderSettings, build_loader
 from data.embedded import ensure_embedded
@@ -20,15 +17,15 @@ from models import build_model, first_misfit
 from train import checkpoint, engines, runlock
 from train.batches import accumulates, phase_split, split_batch
 from train.compiled import GRAPH_MODES
-from train.config import DEFINING, Config, Run, to_dict
+from train.config import Config, Run, to_dict
 from train.device_choices import choose_loader
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision, check_crop
 from train.rules import DEFAULT_PER_RANK_BATCH, lr_and_warmup
-from train.schedule import EpochClock, batch_changes, batch_phases, crop_note, training_crops
-
-RUN_FILES = ("checkpoint.pt", "mllog.txt", "metrics.jsonl")
+from train.rundir import RunDir, Start, current_keys, decide
+from train.crops import crop_note, training_crops
+from train.schedule import EpochClock, batch_changes, batch_phases
 
 
 @dataclasses.dataclass
@@ -41,8 +38,9 @@ class Setup:
     loader: object  # this rank's share of the data (data.Loader)
     data_dir: str  # "" for synthetic data
     notes: dict  # for the header: how the LR and warmup ("lr") and the per-GPU batch ("batch") were chosen, the crops ("crops")
-    out_dir: Path
+    run_dir: RunDir  # the run directory: its files, what it holds
     lock: "runlock.RunLock | None"  # rank 0's lock on the run directory (it moves with rank 0: train/elastic.py)
+    start: Start  # new, restart or resume, and what the command line took from the run it found
     init: "tuple[dict, str] | None"  # --init-from's checked weights and the line that says where the run starts
     restart_flags: str  # what a restart must add to the command to find a time-stamped run directory again
     started_ms: int  # when start-up began (MLLOG's init_start)
@@ -54,9 +52,9 @@ class Setup:
         share. A refusal leaves the old share in place."""
         cfg, world_size = self.cfg, self.engine.world_size
         # the per-rank batch kept where the new count divides the global batch, with other accumulation steps
-        batch, _, steps, _, _ = split_batch(dataclasses.replace(cfg, saved_batch=(cfg.batch_size, cfg.accumulation_steps)),
-                                            self.engine, self.precision.name,
-                                            training_crops(cfg.image_size, cfg.resolution_schedule)[1])
+        kept = dataclasses.replace(self.start, saved_batch=(cfg.batch_size, cfg.accumulation_steps))
+        batch, _, steps, _, _ = split_batch(cfg, self.engine, self.precision.name,
+                                            training_crops(cfg.image_size, cfg.resolution_schedule)[1], kept)
         shared = dataclasses.replace(cfg, batch_size=batch, accumulation_steps=steps)  # (resolved again)
         check_batch_phases(shared, world_size, self.loader.train_images)
         self.cfg = shared
@@ -64,22 +62,25 @@ class Setup:
         self.loader = _build_loader(self.cfg, self.engine, self.precision, self.data_dir)
 
 
-def prepare(cfg: Config) -> Setup:
+def prepare(cfg: Config, start: Start | None = None) -> Setup:
     """The engine, the settings resolved for its rank count, the checks of the input, then the run
-    directory (rank 0 makes it and takes its lock)."""
+    directory (rank 0 makes it and takes its lock). `start`: cli.read_command's decision on the run
+    directory (None: decided here from the settings and the directory, as the command line would)."""
     started_ms = int(time.time() * 1000)
+    start = start or decide(cfg.out_dir, cfg.resume, cfg.test_only)
     engine = create_engine(cfg)
     # one name, whatever each rank's clock says (Horovod Elastic has no collective for it: make_out_dir refuses)
     out_dir = cfg.out_dir or ("" if engine.elastic else engine.broadcast_object(_default_out_dir(cfg)))
-    run, loader, precision, data_dir, notes, init, warnings = on_every_rank(engine, lambda: checked_setup(cfg, engine, out_dir))
+    run, loader, precision, data_dir, notes, init, warnings = on_every_rank(
+        engine, lambda: checked_setup(cfg, engine, out_dir, start))
     if hasattr(engine, "cfg"):  # (the distributed engines' settings: resolved from here on, for DDP's static_graph)
         engine.cfg = run
     loader, relisted = same_sample_lists(engine, run, precision, data_dir, loader)
-    out_dir, lock = on_every_rank(engine, lambda: make_out_dir(run, engine))
+    run_dir, lock = on_every_rank(engine, lambda: make_out_dir(run, engine, start))
     return Setup(cfg=run, engine=engine, precision=precision,
-                 loader=loader, data_dir=data_dir, notes=notes, out_dir=out_dir, lock=lock,
+                 loader=loader, data_dir=data_dir, notes=notes, run_dir=run_dir, lock=lock, start=start,
                  init=init,
-                 restart_flags="" if cfg.out_dir else f" with --out-dir {out_dir}", started_ms=started_ms,
+                 restart_flags="" if cfg.out_dir else f" with --out-dir {run_dir.path}", started_ms=started_ms,
                  warnings=warnings + ([relisted] if relisted else []))
 
 
@@ -112,14 +113,14 @@ def same_sample_lists(engine, cfg: Run, precision: Precision, data_dir: str, loa
                     "node's cache); every rank listed the folders again, and now they agree")
 
 
-def prepare_evaluation(cfg: Config) -> tuple:
+def prepare_evaluation(cfg: Config, start: Start | None = None) -> tuple:
     """--test-only's start-up: (engine, precision, loader, saved state) for the checkpoint in --out-dir
     (or --checkpoint) over the validation set of its run's data (or --data-dir)."""
     engine = create_engine(cfg)
+    run_dir = start.run_dir if start and start.run_dir else RunDir(cfg.out_dir)
 
     def checked():
-        run_dir = Path(cfg.out_dir)
-        saved = checkpoint.to_evaluate(run_dir, cfg.checkpoint)
+        saved = run_dir.to_evaluate(cfg.checkpoint)
         precision = Precision(cfg.precision, engine.device)
         batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or DEFAULT_PER_RANK_BATCH  # the run's per-rank batch
         data_dir = resolve_data_dir(cfg)
@@ -185,18 +186,19 @@ def on_every_rank(engine, step):
     return value
 
 
-def checked_setup(cfg: Config, engine, out_dir: str):
+def checked_setup(cfg: Config, engine, out_dir: str, start: Start | None = None):
     """The settings resolved and the parts that check the input: (the Run, loader, precision, data dir,
     the header's notes, --init-from's weights and line or None, warning lines). What the flags leave
     open the device decides (train/device_choices.py): the precision, the loader and the per-GPU batch."""
+    start = start or decide(cfg.out_dir, cfg.resume, cfg.test_only)
     smallest_crop, largest_crop = training_crops(cfg.image_size, cfg.resolution_schedule)
     precision = Precision(cfg.precision, engine.device)
     check_crop(precision.name, engine.device, smallest_crop)
     loader_name, loader_warning = choose_loader(cfg.loader, cfg.dali_decode, engine.device)
-    if cfg.restarted and cfg.global_batch_size % engine.world_size:
+    if start.restarted and cfg.global_batch_size % engine.world_size:
         raise UsageError(f"{cfg.out_dir} holds a run of global batch {cfg.global_batch_size}, which does not divide "
                          f"over {engine.world_size} ranks; continue it on a rank count that divides it")
-    batch_size, global_batch, steps, largest, batch_note = split_batch(cfg, engine, precision.name, largest_crop)
+    batch_size, global_batch, steps, largest, batch_note = split_batch(cfg, engine, precision.name, largest_crop, start)
     lr, warmup, note = lr_and_warmup(cfg, global_batch)
     check_bn_span(cfg.bn_span, engine.world_size)
     data_dir = resolve_data_dir(cfg)
@@ -209,6 +211,7 @@ def checked_setup(cfg: Config, engine, out_dir: str):
     run = resolved(cfg, loader=loader_name, batch_size=batch_size, global_batch_size=global_batch, lr=lr,
                    warmup_epochs=warmup, num_classes=loader.num_classes, out_dir=out_dir,
                    eval_every=cfg.eval_every if loader.val_images else 0,  # (--synthetic-val-images 0: nothing to evaluate)
+                   resume=start.from_checkpoint,
                    accumulation_steps=steps, largest_batch=largest,
                    bn_ghost_group=ghost_group(cfg, global_batch, engine.world_size, steps, largest))
     check_batch_phases(run, engine.world_size, loader.train_images)
@@ -219,13 +222,10 @@ def checked_setup(cfg: Config, engine, out_dir: str):
     # read-only checks of the run directory the user named: rank 0's verdict reaches the others through
     # on_every_rank(); under Horovod Elastic (no collective there) every rank reads the same files and decides alike
     if cfg.out_dir and (engine.rank == 0 or engine.elastic):
-        if Path(run.out_dir).is_dir():  # another job running in it: refused before anything else
-            runlock.check(Path(run.out_dir), elastic=engine.elastic)
-        if run.restarted:
-            check_same_run(run)
-        _check_out_dir(run)
+        run_dir = start.run_dir or RunDir(run.out_dir)
+        run_dir.check(run, start, elastic=engine.elastic)
         if run.resume:
-            _check_resume_position(run, loader)
+            _check_resume_position(run, loader, run_dir)
     warnings = [line for line in (engine.warning, precision.warning, loader_warning) if line]
     if engine.name == "torch" and run.ddp_static_graph == "on" and accumulates(run):
         warnings.append("--ddp-static-graph on not taken: DDP's static graph cannot be combined with the passes whose "
@@ -251,7 +251,7 @@ def check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str
     if weights["fc.weight"].shape[0] != loader.num_classes:
         raise UsageError(f"{saved} has {weights['fc.weight'].shape[0]} classes, the "
                          f"data {data} {loader.num_classes}; check --data-dir")
-    saved_arch = state.get("config", {}).get("arch", "?")
+    saved_arch = current_keys(state.get("config", {})).get("arch", "?")
     differing = first_misfit(weights, cfg.arch, loader.num_classes)
     if differing:
         raise UsageError(f"{saved} holds a {saved_arch}, which --arch {cfg.arch} does not build "
@@ -261,31 +261,6 @@ def check_evaluated(state: dict, cfg: Config, loader, saved: Path, data_dir: str
         first = next(i for i, (a, b) in enumerate(zip(recorded, loader.class_names)) if a != b)
         raise UsageError(f"the classes of {data} are not the run's (class {first} is {loader.class_names[first]!r} "
                          f"there, {recorded[first]!r} in the run); check --data-dir")
-
-
-def check_same_run(cfg: Config) -> None:
-    """A command that found a run in its --out-dir continues it only if it defines the same run."""
-    try:
-        saved = yaml.safe_load((Path(cfg.out_dir) / "config.yaml").read_text()) or {}
-    except (OSError, yaml.YAMLError) as err:
-        raise UsageError(f"{cfg.out_dir}/config.yaml cannot be read ({str(err).splitlines()[0]}); "
-                         "fix it or choose another --out-dir")
-
-    def same(name, old, new):
-        if name in ("data_dir", "init_from"):  # paths: the same file however it is spelled
-            return (Path(old).resolve() if old else "") == (Path(new).resolve() if new else "")
-        return old == new
-    differ = [f"{name} {as_typed(saved[name])} there, {as_typed(getattr(cfg, name))} here" for name in DEFINING
-              if name in saved and not same(name, saved[name], getattr(cfg, name))]
-    if differ:
-        raise UsageError(f"{cfg.out_dir} holds a run with other settings ({'; '.join(differ)}); start it with its "
-                         "own settings to continue it, --resume to change them on purpose, or choose another --out-dir")
-
-
-def as_typed(value) -> str:
-    """A setting as a user would type it: a float without its binary noise (0.4 x 3 epochs of warmup is
-    1.2, not 1.2000000000000002), anything else as Python writes it."""
-    return f"{value:.10g}" if isinstance(value, float) else repr(value)
 
 
 HEAD = ("fc.weight", "fc.bias")  # the classifier, the one part that depends on the class count
@@ -318,11 +293,11 @@ def init_weights(cfg: Config) -> tuple[dict, str]:
     return weights, said
 
 
-def _check_resume_position(cfg: Config, loader) -> None:
+def _check_resume_position(cfg: Config, loader, run_dir: RunDir) -> None:
     """The saved step must sit where these batch settings put it: resuming with another global batch
     or --batch-schedule would train the epoch's images twice or never, or never end the epoch. And the
     data's classes must be the run's, name by name."""
-    saved = checkpoint.peek(checkpoint.to_resume(Path(cfg.out_dir))[0])
+    saved = run_dir.saved_position()
     if saved.get("classes") and loader.class_names and saved["classes"] != loader.class_names:
         raise UsageError(f"the classes of {cfg.data_dir or 'the data'} are not those of the run in {cfg.out_dir} "
                          "(same count, other names); check --data-dir")
@@ -366,68 +341,11 @@ def _default_out_dir(cfg: Config) -> str:
     return cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def _check_out_dir(cfg: Config) -> None:
-    out_dir = Path(cfg.out_dir) if cfg.out_dir else None
-    if out_dir is None:
-        return
-    if cfg.resume and not checkpoint.resumable(out_dir):
-        raise UsageError(f"{out_dir} holds no checkpoint.pt to resume from; check --out-dir or drop --resume")
-    if checkpoint.resumable(out_dir):  # a run that is over stays as it is: a restarted finished job is not a failure
-        done = _nothing_left(cfg, checkpoint.peek(checkpoint.to_resume(out_dir)[0]))
-        if done:
-            raise RunFinished(f"{out_dir} holds a finished run ({done}); nothing to do, its files are unchanged")
-    # config.yaml as it is now, not when the flags were read: under Horovod Elastic rank 0 may have made
-    # the run since (config.yaml first, then its logs), and the others must not take that for another run
-    if not cfg.resume and not (out_dir / "config.yaml").is_file() and any((out_dir / n).exists() for n in RUN_FILES):
-        raise UsageError(f"{out_dir} already holds a run without the checkpoint.pt and config.yaml to continue it "
-                         "from; choose another --out-dir or remove it")
-
-
-def _nothing_left(cfg: Config, saved: dict) -> str:
-    """Why a saved run has no step left to take under these settings, or "" when it has."""
-    if saved.get("finished") == "target":
-        return f"reached --target-accuracy at step {saved['step']}"
-    if saved.get("finished") == "epochs" and saved["epoch"] >= cfg.epochs:
-        return f"all {saved['epoch']} epochs done at step {saved['step']}"
-    if cfg.resume and 0 < cfg.max_steps <= saved["step"]:
-        return f"at step {saved['step']}, --max-steps {cfg.max_steps}"
-    return ""
-
-
-def make_out_dir(cfg: Run, engine) -> tuple[Path, "runlock.RunLock | None"]:
-    """Rank 0 creates the run directory, takes its lock (train/runlock.py) and writes config.yaml; every
-    rank learns the name. A failure leaves nothing behind: the folders made for it are removed again,
-    and a job refused by the lock writes nothing at all."""
+def make_out_dir(cfg: Run, engine, start: Start) -> tuple[RunDir, "runlock.RunLock | None"]:
+    """Rank 0 makes the run directory (RunDir.make: its lock, config.yaml); every rank learns the name."""
     if engine.elastic and not cfg.out_dir:  # (no collective to agree on a time-stamped name; see on_every_rank())
         raise UsageError("Horovod Elastic needs --out-dir: a worker that joins later must find the run's directory")
-    out_dir = Path(cfg.out_dir)
+    run_dir = start.run_dir if start.run_dir and str(start.run_dir) == cfg.out_dir else RunDir(cfg.out_dir)
     if engine.rank != 0:
-        return out_dir, None
-    first_new = next((p for p in reversed([out_dir, *out_dir.parents]) if not p.exists()), None)
-    written = out_dir / f".config.yaml.{os.getpid()}.tmp"
-    lock, made = None, False
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        made = True
-        lock = runlock.RunLock.acquire(out_dir, elastic=engine.elastic)  # (a refusal leaves the folder to the job that holds it)
-        # lost before its first checkpoint: nothing of it to keep (but a worker joining a running Horovod
-        # Elastic job finds the job's own files, which stay)
-        if cfg.restarted and not cfg.resume and not engine.elastic:
-            print(f"{out_dir} holds no checkpoint of its run yet: starting it again from step 0 (its logs "
-                  "kept as *.lost)", flush=True)
-            for name in RUN_FILES:  # moved aside, never deleted
-                if (out_dir / name).exists():
-                    os.replace(out_dir / name, out_dir / f"{name}.lost")
-        # whole or not at all (another rank, or a worker joining later, may read it at any moment)
-        written.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
-        os.replace(written, out_dir / "config.yaml")
-    except OSError as err:
-        with contextlib.suppress(OSError):
-            written.unlink(missing_ok=True)
-        if lock is not None:
-            lock.release()
-        if first_new is not None and (lock is not None or not made):  # (never a folder another job holds)
-            shutil.rmtree(first_new, ignore_errors=True)
-        raise UsageError(f"cannot write the run directory {out_dir} ({err.strerror or err}); "
-                         "choose a writable --out-dir") from err
-    return out_dir, lock
+        return run_dir, None
+    return run_dir, run_dir.make(to_dict(cfg), start, elastic=engine.elastic)

@@ -22,7 +22,7 @@ import torch
 
 from models import ARCHS, build_model
 from train.cli import COMPILE_MODES
-from train.lars import LARS, lars_param_groups
+from train.lars import LARS, decay_param_groups
 from train.precision import Precision
 
 
@@ -76,7 +76,7 @@ def main() -> None:
 
 def make_step(model, criterion, precision, images, labels):
     # LR 0: the step runs every kernel of a real one, and the weights stay as built: every step times the same model
-    optimizer = LARS(lars_param_groups(model), lr=0.0, momentum=0.9, weight_decay=5e-5)
+    optimizer = LARS(decay_param_groups(model), lr=0.0, momentum=0.9, weight_decay=5e-5)
     model.train()
 
     def step():

@@ -20,6 +20,7 @@ from data.embedded import ensure_embedded  # noqa: E402
 from data.loaders import IMAGENET_STD, LoaderSettings  # noqa: E402
 from data.torch_loader import TorchLoader  # noqa: E402
 from data.tree import check_tree  # noqa: E402
+from train.config import Config  # noqa: E402
 
 
 def main() -> None:
@@ -30,7 +31,7 @@ def main() -> None:
     args = parser.parse_args()
     root = args.data_dir or str(ensure_embedded())
     device = torch.device(args.device)
-    settings = LoaderSettings(data_dir=root, image_size=args.image_size, batch_size=50, workers=2)
+    settings = LoaderSettings.of(Config(data_dir=root, image_size=args.image_size, batch_size=50, workers=2, precision="fp32"))
     classes = check_tree(root)
     dali, torch_loader = (cls(settings, classes, 0, 1, device) for cls in (DaliLoader, TorchLoader))
     std_255 = torch.tensor(IMAGENET_STD, device=device).view(1, 3, 1, 1) * 255

@@ -13,7 +13,7 @@ import time
 import torch
 
 from models import build_model
-from train.lars import LARS, lars_param_groups
+from train.lars import LARS, decay_param_groups
 
 
 def main() -> None:
@@ -27,8 +27,8 @@ def main() -> None:
     torch.manual_seed(0)
     grads = [torch.randn_like(p) * 1e-3 for p in params]
     optimizers = {"SGD": torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=True),
-                  "LARS": LARS(lars_param_groups(model), lr=5.0, momentum=0.9, weight_decay=5e-5),
-                  "LARS compiled": LARS(lars_param_groups(model), lr=5.0, momentum=0.9, weight_decay=5e-5,
+                  "LARS": LARS(decay_param_groups(model), lr=5.0, momentum=0.9, weight_decay=5e-5),
+                  "LARS compiled": LARS(decay_param_groups(model), lr=5.0, momentum=0.9, weight_decay=5e-5,
                                         compiled=True)}
 
     def timed_step(optimizer) -> float:

@@ -26,6 +26,7 @@ from data.index import _index_paths  # noqa: E402
 from data.sources import FolderSource  # noqa: E402
 from data.torch_loader import TorchLoader  # noqa: E402
 from data.tree import check_tree, list_samples  # noqa: E402
+from train.config import Config  # noqa: E402
 
 TRAIN, VAL, CLASSES = 1_281_167, 50_000, 1000
 
@@ -49,7 +50,7 @@ def make_tree(root: Path) -> None:
 def build(root: Path) -> float:
     """Seconds to construct the loader, every start-up check included."""
     start = time.perf_counter()
-    loader = TorchLoader(LoaderSettings(data_dir=str(root), batch_size=256, workers=1), check_tree(str(root)), 0, 1,
+    loader = TorchLoader(LoaderSettings.of(Config(data_dir=str(root), batch_size=256, workers=1, precision="fp32")), check_tree(str(root)), 0, 1,
                          torch.device("cpu"))
     seconds = time.perf_counter() - start
     loader.pool.shutdown()

@@ -17,7 +17,7 @@ import torch
 
 from models import build_model
 from train.config import Config
-from train.lars import LARS, lars_param_groups
+from train.lars import LARS, decay_param_groups
 from train.loop import run
 
 
@@ -36,7 +36,7 @@ def trainer_images_per_s(args, out_dir: Path) -> float:
 def bare_images_per_s(args) -> float:
     torch.manual_seed(0)
     model = build_model(args.arch, 1000, zero_init_residual=True, channels_last=True)
-    optimizer = LARS(lars_param_groups(model), lr=5.0, momentum=0.9, weight_decay=5e-5)
+    optimizer = LARS(decay_param_groups(model), lr=5.0, momentum=0.9, weight_decay=5e-5)
     criterion = torch.nn.CrossEntropyLoss(label_smoothing=0.1)
     images = torch.randn(args.batch_size, 3, args.image_size, args.image_size).contiguous(memory_format=torch.channels_last)
     labels = torch.randint(0, 1000, (args.batch_size,))

@@ -291,3 +291,12 @@ def resnet50_kept_values() -> int:
             module.register_forward_hook(count)
     net(torch.zeros(1, 3, 224, 224, device="meta"))
     return counted[0]
+
+
+def loader_settings(*, evaluate_only: bool = False, relist: bool = False, **settings):
+    """The LoaderSettings of a run with these settings over the trainer's defaults (train.config.Config's),
+    its precision resolved as on a CPU (fp32) unless given."""
+    from data import LoaderSettings
+    from train.config import Config
+    run = Config(**{"precision": "fp32", **settings})
+    return LoaderSettings.of(run, evaluate_only=evaluate_only, relist=relist)

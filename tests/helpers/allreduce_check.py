@@ -9,7 +9,7 @@ import torch
 from models import build_model
 from train.config import Config
 from train.engines import create
-from train.lars import LARS, lars_param_groups
+from train.lars import LARS, decay_param_groups
 
 
 def model_and_grads(engine, seed_offset):
@@ -27,7 +27,7 @@ def main():
     averaged = []
     for path in ("flat", "hierarchical"):
         model, images = model_and_grads(engine, 0)
-        optimizer = LARS(lars_param_groups(model), lr=0.1)
+        optimizer = LARS(decay_param_groups(model), lr=0.1)
         if engine_name == "torch":
             from torch.nn.parallel import DistributedDataParallel
             ddp = DistributedDataParallel(model)

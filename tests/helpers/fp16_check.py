@@ -16,7 +16,7 @@ import torch
 
 from train.config import Config
 from train.engines import create
-from train.lars import LARS, lars_param_groups
+from train.lars import LARS, decay_param_groups
 from train.precision import Precision
 
 
@@ -61,7 +61,7 @@ def wire_check(engine) -> dict:
 def loss_scaling_check(engine, allreduce: str = "flat") -> dict:
     engine.cfg = dataclasses.replace(engine.cfg, fp16_allreduce=False, allreduce=allreduce)
     model = small_model()
-    model, optimizer = engine.wrap(model, LARS(lars_param_groups(model), lr=0.5, weight_decay=1e-4))
+    model, optimizer = engine.wrap(model, LARS(decay_param_groups(model), lr=0.5, weight_decay=1e-4))
     precision = Precision("fp16", engine.device)
     x, y = batch(engine.rank)
 

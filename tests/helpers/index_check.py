@@ -25,7 +25,8 @@ def main(root: str, out: str) -> None:
 
 def _settings(root):
     from data import LoaderSettings
-    return LoaderSettings(data_dir=root, batch_size=4, workers=0)
+    from train.config import Config
+    return LoaderSettings.of(Config(data_dir=root, batch_size=4, workers=0, precision="fp32"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ forced on against off:
 - a compiled model (dynamic=False) whose backward takes longer to compile than the timeout: its
   first steps through engine.step with static_graph on. The backward compiles inside backward, within
   the engine's wait on the gradient all-reduce, where the watchdog would end the rank unless the
-  compile does not count (train/engines/topology.py discount_compiles).
+  compile does not count (train/engines/distributed.py discount_compiles).
 
 Each rank writes OUT_DIR/rank<r>.json."""
 import dataclasses

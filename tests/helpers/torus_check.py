@@ -19,7 +19,7 @@ import torch
 from models import build_model
 from train.config import Config
 from train.engines import create
-from train.lars import LARS, lars_param_groups
+from train.lars import LARS, decay_param_groups
 from train.precision import Precision
 
 COLLECTIVES = {"all_to_all_single": "all_to_all", "reduce_scatter_single": "reduce_scatter",
@@ -119,7 +119,7 @@ def trained(engine, dtype: torch.dtype, steps: int = 2, **settings) -> list[torc
     engine.cfg = dataclasses.replace(engine.cfg, **settings)
     torch.manual_seed(0)
     model = build_model("resnet18", 10, channels_last=True).to(dtype)
-    model, optimizer = engine.wrap(model, LARS(lars_param_groups(model), lr=2.0, momentum=0.9, weight_decay=5e-5))
+    model, optimizer = engine.wrap(model, LARS(decay_param_groups(model), lr=2.0, momentum=0.9, weight_decay=5e-5))
     generator = torch.Generator().manual_seed(100 + engine.rank)
     for _ in range(steps):
         images = torch.randn(4, 3, 16, 16, generator=generator, dtype=dtype).contiguous(memory_format=torch.channels_last)

@@ -81,7 +81,7 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
-ENGINES = {"none": SingleProcess, "torch": TorchDistributed, "horovod": Horovod}
+ENGINES = {engine.name: engine for engine in (SingleProcess, TorchDistributed, Horovod)}  # --engine NAME -> class
 
 
 def create(cfg, env=os.environ):

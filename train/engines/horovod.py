@@ -14,12 +14,12 @@ from torch.profiler import record_function
 from train.engines.horovod_allreduce import FlatHorovodOptimizer, TwoLevelHorovodOptimizer, horovod_result
 from train.engines.launch import local_device
 from train.engines.network import collective_timeout, set_library_timeouts
-from train.engines.topology import Topology
+from train.engines.distributed import DistributedEngine
 from train.engines.wire import choose as choose_wire
 from train.errors import UsageError
 
 
-class Horovod(Topology):
+class Horovod(DistributedEngine):
     """Horovod: the gradient all-reduce overlapped with backward (an optimizer wrapper), gloo/MPI/NCCL."""
     name = "horovod"
 

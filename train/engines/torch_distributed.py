@@ -13,12 +13,12 @@ from torch.profiler import record_function
 from train.batches import accumulates
 from train.engines.launch import detect_launch, local_device
 from train.engines.network import collective_timeout, set_library_timeouts, watch_refusals
-from train.engines.topology import Topology
+from train.engines.distributed import DistributedEngine
 from train.engines.wire import choose as choose_wire, into_wire, split_average
 from train.errors import UsageError
 
 
-class TorchDistributed(Topology):
+class TorchDistributed(DistributedEngine):
     """torch.distributed: NCCL on GPUs, gloo on CPUs; DDP with gradient bucketing."""
     name = "torch"
     elastic = False  # (torchrun's elastic restarts start new processes: restart is resume)

@@ -71,7 +71,7 @@ class Watchdog:
                 self._page[:8] = struct.pack("d", 0.0)
 
     def compiling(self, started: bool) -> None:
-        """A compile of this rank's own (torch.compile's, told by train/engines/topology.py) is work, not
+        """A compile of this rank's own (torch.compile's, told by train/engines/distributed.py) is work, not
         a wait on the others: a wait under way stops counting when it starts (started), and counts
         again from its end. (It may be told from autograd's thread, while the rank's thread waits in
         backward, inside the wait.)"""

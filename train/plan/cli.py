@@ -117,8 +117,8 @@ def network_of(args, usual: str) -> str | CustomNetwork:
     return CustomNetwork(args.link_gbps, args.latency_us)
 
 
-def setup_of(args, allreduce: str | None = None) -> model.Setup:
-    """The Setup for the flags: the preset loaded as the trainer loads it, the GPU's fitted compute."""
+def system_of(args, allreduce: str | None = None) -> model.PlannedSystem:
+    """The planned system of the flags: the preset loaded as the trainer loads it, the GPU's fitted compute."""
     if args.preset:
         cfg, preset, per_gpu_batch = parse_config(["--preset", args.preset]), args.preset, args.per_gpu_batch or 0
     else:  # the trainer's defaults: its per-rank batch on every GPU count, so that any count divides
@@ -147,16 +147,16 @@ def setup_of(args, allreduce: str | None = None) -> model.Setup:
     top1 = PUBLISHED_TOP1.get(args.preset) or cfg.target_accuracy or model.MLPERF_TARGET
     cap = model.DALI_GPU_IMG_S if args.loader == "dali-gpu" else args.cpu_cores_per_gpu * model.CPU_DECODE_IMG_S_PER_CORE
     rows = cfg.torus_rows if args.torus_rows is None else args.torus_rows
-    return model.Setup(preset, cfg, machine, fit, allreduce, rows, args.overlap, args.wire, cap, per_gpu_batch,
+    return model.PlannedSystem(preset, cfg, machine, fit, allreduce, rows, args.overlap, args.wire, cap, per_gpu_batch,
                        args.startup_s, top1)
 
 
-def plans(setup: model.Setup, counts: list[int]) -> tuple[list[dict], list[str]]:
+def plans(system: model.PlannedSystem, counts: list[int]) -> tuple[list[dict], list[str]]:
     """(a row per count that can run, a reason per count that cannot)."""
     rows, skipped = [], []
     for count in counts:
         try:
-            rows.append(model.plan(setup, count))
+            rows.append(model.plan(system, count))
         except model.Skip as why:
             skipped.append(f"{count} GPUs: {why}")
     return rows, skipped
@@ -166,20 +166,20 @@ def duration(seconds: float) -> str:
     return f"{seconds:.1f} s" if seconds < 120 else f"{seconds / 60:.2f} min" if seconds < 7200 else f"{seconds / 3600:.2f} h"
 
 
-def header(setup: model.Setup) -> list[str]:
-    m, fit, params = setup.machine, setup.fit, model.parameter_count(setup.cfg.arch)
-    batch = (f"per-GPU batch {setup.per_gpu_batch} kept" if setup.per_gpu_batch
-             else f"global batch {setup.cfg.global_batch_size:,} kept" + (f", then {setup.cfg.batch_schedule}"
-                                                                          if setup.cfg.batch_schedule else ""))
-    return [f"plan: preset {setup.preset} ({batch}); {m.gpu.name} ({m.gpu.precision}), {m.gpus_per_node} per node, "
+def header(system: model.PlannedSystem) -> list[str]:
+    m, fit, params = system.machine, system.fit, model.parameter_count(system.cfg.arch)
+    batch = (f"per-GPU batch {system.per_gpu_batch} kept" if system.per_gpu_batch
+             else f"global batch {system.cfg.global_batch_size:,} kept" + (f", then {system.cfg.batch_schedule}"
+                                                                           if system.cfg.batch_schedule else ""))
+    return [f"plan: preset {system.preset} ({batch}); {m.gpu.name} ({m.gpu.precision}), {m.gpus_per_node} per node, "
             f"{m.links_per_node} x {m.network} per node, {m.in_node} in the node",
-            f"all-reduce {setup.allreduce}" + (f" (torus rows {setup.torus_rows or m.gpus_per_node})"
-                                               if setup.allreduce == "torus" else
-                                               " (NCCL's: the cheaper of its ring and tree)"
-                                               if setup.allreduce == "flat" else "")
-            + f" of {params:,} {setup.wire} gradients ({params * model.WIRE_BYTES[setup.wire] / 1e6:.1f} MB), "
-            f"{setup.overlap:g} hidden behind backward; input cap {setup.input_cap:,.0f} img/s per GPU; "
-            f"start-up {setup.startup_s:g} s; Valid FLOPS at top-1 {setup.top1}",
+            f"all-reduce {system.allreduce}" + (f" (torus rows {system.torus_rows or m.gpus_per_node})"
+                                                if system.allreduce == "torus" else
+                                                " (NCCL's: the cheaper of its ring and tree)"
+                                                if system.allreduce == "flat" else "")
+            + f" of {params:,} {system.wire} gradients ({params * model.WIRE_BYTES[system.wire] / 1e6:.1f} MB), "
+            f"{system.overlap:g} hidden behind backward; input cap {system.input_cap:,.0f} img/s per GPU; "
+            f"start-up {system.startup_s:g} s; Valid FLOPS at top-1 {system.top1}",
             f"compute per step: {fit.fixed_s * 1e3:.2f} ms + {fit.per_image_s * 1e3:.4f} ms/image ({fit.how})"]
 
 
@@ -214,8 +214,8 @@ def epochs_note(rows: list[dict], per_gpu_batch_kept: bool) -> str:
                                                                for reason, batches in groups)
 
 
-def notes(rows: list[dict], setup: model.Setup) -> list[str]:
-    fit, out = setup.fit, [epochs_note(rows, bool(setup.per_gpu_batch))]
+def notes(rows: list[dict], system: model.PlannedSystem) -> list[str]:
+    fit, out = system.fit, [epochs_note(rows, bool(system.per_gpu_batch))]
     chosen = {}
     for r in sorted(rows, key=lambda r: r["gpus"]):
         if r["nccl_algorithm"]:
@@ -246,7 +246,7 @@ def published_table() -> list[str]:
         command = "python -m train.plan " + " ".join(check["args"])
         first = f"| {check['system']} | {check['run']}"
         try:
-            row = plans(setup_of(args), gpu_counts(args.gpus))[0][0]
+            row = plans(system_of(args), gpu_counts(args.gpus))[0][0]
         except UsageError as err:
             lines.append(f"{first} | {_published(check)} | refused: {err} | - | `{command}` | {check['note']} |")
             continue
@@ -274,19 +274,19 @@ def main(argv=None) -> int:
             raise UsageError(f"give {', '.join('--' + m for m in missing)}; see python -m train.plan --help")
         counts = gpu_counts(args.gpus)
         report_path = report.checked_path(args.report) if args.report else None  # refused before any work
-        setup = setup_of(args)
-        rows, skipped = plans(setup, counts)
+        system = system_of(args)
+        rows, skipped = plans(system, counts)
         if not rows:
-            raise UsageError(f"no GPU count fits preset {setup.preset}: " + "; ".join(skipped))
+            raise UsageError(f"no GPU count fits preset {system.preset}: " + "; ".join(skipped))
         if report_path:
-            lines = {name: plans(setup_of(args, name), counts)[0] for name in comm.ALGORITHMS}
-            written = report.draw_report(lines, report_path, f"{setup.preset} on {setup.machine.gpu.name}")
+            lines = {name: plans(system_of(args, name), counts)[0] for name in comm.ALGORITHMS}
+            written = report.draw_report(lines, report_path, f"{system.preset} on {system.machine.gpu.name}")
         if args.json:
             print(json.dumps(rows))
             for reason in skipped:  # stdout stays one JSON list of runnable counts
                 print(f"skipped: {reason}", file=sys.stderr)
         else:
-            print("\n".join(header(setup) + table(rows) + notes(rows, setup) + [f"skipped: {s}" for s in skipped]))
+            print("\n".join(header(system) + table(rows) + notes(rows, system) + [f"skipped: {s}" for s in skipped]))
         if report_path:  # with --json on stderr, so that stdout stays one JSON list
             print(f"report: {written}", file=sys.stderr if args.json else sys.stdout)
     except UsageError as err:

@@ -22,7 +22,8 @@ from train.errors import UsageError
 from train.plan import comm, compute
 from train.plan.hardware import GPUS, MEMORY_EFFICIENCY, CustomNetwork, Gpu, gpu as gpu_spec, in_node_link, network_link
 from train.rules import interpolate
-from train.schedule import batch_phases, largest_image_size, resolution_ramp
+from train.crops import largest_image_size, resolution_ramp
+from train.schedule import batch_phases
 from train.stopping import interval as agreement_interval
 from train.score.flops import IMAGENET_TRAIN_IMAGES, valid_flops
 
@@ -58,8 +59,9 @@ class Machine:
 
 
 @dataclass(frozen=True)
-class Setup:
-    """Everything a plan depends on besides the GPU count."""
+class PlannedSystem:
+    """What is planned, everything a plan depends on besides the GPU count: the preset's settings, the
+    machine, the GPU's fitted compute, the all-reduce and what the planner assumes around them."""
     preset: str
     cfg: Config
     machine: Machine
@@ -193,33 +195,34 @@ def pixel_share(image_size: int) -> float:
     return (image_size / 224) ** 2
 
 
-def compute_seconds(setup: Setup, per_gpu_batch: int, image_size: int) -> float:
+def compute_seconds(system: PlannedSystem, per_gpu_batch: int, image_size: int) -> float:
     """A training step's compute at `image_size`: the fit's fixed cost, and its cost per image scaled
     by the pixels."""
-    return setup.fit.seconds(per_gpu_batch * pixel_share(image_size))  # (in 224 px images' worth of work)
+    return system.fit.seconds(per_gpu_batch * pixel_share(image_size))  # (in 224 px images' worth of work)
 
 
-def step_terms(setup: Setup, gpus: int, per_gpu_batch: int, image_size: int = 224, accumulation_steps: int = 1) -> dict:
+def step_terms(system: PlannedSystem, gpus: int, per_gpu_batch: int, image_size: int = 224,
+               accumulation_steps: int = 1) -> dict:
     """One training step of every GPU at crops of `image_size` px: compute (of all its
     `accumulation_steps` batches), the all-reduce (all of it and the part left exposed after the last
     batch's backward), the optimizer step, and the step time, no shorter than the input pipeline
     allows nor faster per image than the GPU's fastest measured point (scaled by the pixels)."""
-    params = parameter_count(setup.cfg.arch)
-    batch_compute_s = compute_seconds(setup, per_gpu_batch, image_size)
+    params = parameter_count(system.cfg.arch)
+    batch_compute_s = compute_seconds(system, per_gpu_batch, image_size)
     compute_s = accumulation_steps * batch_compute_s
-    cluster, nbytes = setup.machine.cluster(gpus), params * WIRE_BYTES[setup.wire]
-    comm_total = comm.allreduce_time(cluster, nbytes, setup.allreduce, setup.torus_rows, nccl=True)
+    cluster, nbytes = system.machine.cluster(gpus), params * WIRE_BYTES[system.wire]
+    comm_total = comm.allreduce_time(cluster, nbytes, system.allreduce, system.torus_rows, nccl=True)
     # only the last batch's backward has the gradients the all-reduce sends: it alone hides it
-    comm_s = comm.exposed(comm_total, batch_compute_s, setup.overlap, BACKWARD_SHARE)
-    optimizer_s = optimizer_seconds(setup.machine.gpu, params)
+    comm_s = comm.exposed(comm_total, batch_compute_s, system.overlap, BACKWARD_SHARE)
+    optimizer_s = optimizer_seconds(system.machine.gpu, params)
     step = compute_s + comm_s + optimizer_s
     images = per_gpu_batch * accumulation_steps
     # the fastest point's rate holds each batch with its optimizer update; a step makes N - 1 fewer updates
-    input_s = images / setup.input_cap
-    peak_s = images * pixel_share(image_size) / setup.fit.peak_img_s - (accumulation_steps - 1) * optimizer_s
+    input_s = images / system.input_cap
+    peak_s = images * pixel_share(image_size) / system.fit.peak_img_s - (accumulation_steps - 1) * optimizer_s
     agreement_s = agreement_per_step(gpus, max(step, input_s, peak_s))
     step += agreement_s
-    nccl = comm.nccl_choice(cluster, nbytes)[0] if setup.allreduce == "flat" and gpus > 1 else None
+    nccl = comm.nccl_choice(cluster, nbytes)[0] if system.allreduce == "flat" and gpus > 1 else None
     return {"per_gpu_batch": per_gpu_batch, "accumulation_steps": accumulation_steps,
             "global_batch": images * gpus, "image_size": image_size, "compute_s": compute_s,
             "comm_s": comm_s, "comm_total_s": comm_total, "optimizer_s": optimizer_s, "agreement_s": agreement_s,
@@ -236,24 +239,24 @@ def agreement_per_step(gpus: int, step_s: float) -> float:
     return agreement_s / agreement_interval(agreement_s, step_s)
 
 
-def phases(setup: Setup, gpus: int, fits: int) -> tuple[list[tuple[float, int, int]], float, str]:
+def phases(system: PlannedSystem, gpus: int, fits: int) -> tuple[list[tuple[float, int, int]], float, str]:
     """([(epochs, per-GPU batch, accumulation steps)] of each batch phase, epochs in all, where the
     epochs come from), a GPU holding at most `fits` images (Skip where no phase's batch can)."""
-    spec = setup.machine.gpu
+    spec = system.machine.gpu
     room = (f"in the {spec.name}'s {spec.memory_bytes / 1e9:.0f} GB (at most {fits:,} images of "
-            f"{largest_image_size(setup.cfg)} px; docs/planner.md)")
-    if setup.per_gpu_batch:  # the batch is given: accumulating cannot make it fit
-        if setup.per_gpu_batch > fits:
-            raise Skip(f"per-GPU batch {setup.per_gpu_batch:,} does not fit {room}")
-        global_batch = setup.per_gpu_batch * gpus
+            f"{largest_image_size(system.cfg)} px; docs/planner.md)")
+    if system.per_gpu_batch:  # the batch is given: accumulating cannot make it fit
+        if system.per_gpu_batch > fits:
+            raise Skip(f"per-GPU batch {system.per_gpu_batch:,} does not fit {room}")
+        global_batch = system.per_gpu_batch * gpus
         epochs = mlperf_epochs(global_batch)
-        return ([(epochs, setup.per_gpu_batch, 1)], epochs,
+        return ([(epochs, system.per_gpu_batch, 1)], epochs,
                 f"MLPerf table at global batch {global_batch:,} ({mlperf_epochs_reason(global_batch)})")
-    changes = batch_phases(setup.cfg)
-    if setup.preset.startswith("mlperf-") and len(changes) == 1:
+    changes = batch_phases(system.cfg)
+    if system.preset.startswith("mlperf-") and len(changes) == 1:
         epochs, source = mlperf_epochs(changes[0][1]), "MLPerf reference mean epochs to 75.9%"
     else:
-        epochs, source = float(setup.cfg.epochs), "preset"
+        epochs, source = float(system.cfg.epochs), "preset"
     spans, accumulated = [], 1  # a phase keeps the previous one's N where its batch can follow
     for i, (start, global_batch) in enumerate(changes):
         end = changes[i + 1][0] if i + 1 < len(changes) else epochs
@@ -284,27 +287,27 @@ def resolution_spans(cfg: Config, start: float, end: float) -> list[tuple[float,
     return spans
 
 
-def plan(setup: Setup, gpus: int) -> dict:
+def plan(system: PlannedSystem, gpus: int) -> dict:
     """The run on `gpus` GPUs: one row of the planner's output (Skip when the batch does not divide,
     or no accumulation makes a GPU's share of it fit)."""
     from models import eval_flops_per_image, train_flops_per_image  # (loads torch: not for --help)
-    nodes = nodes_of(gpus, setup.machine.gpus_per_node)
-    check_rows(gpus, setup.torus_rows if setup.allreduce == "torus" else 0)
-    fits = max_per_gpu_batch(setup.machine.gpu, parameter_count(setup.cfg.arch), largest_image_size(setup.cfg))
-    spans, epochs, epochs_source = phases(setup, gpus, fits)
+    nodes = nodes_of(gpus, system.machine.gpus_per_node)
+    check_rows(gpus, system.torus_rows if system.allreduce == "torus" else 0)
+    fits = max_per_gpu_batch(system.machine.gpu, parameter_count(system.cfg.arch), largest_image_size(system.cfg))
+    spans, epochs, epochs_source = phases(system, gpus, fits)
     steps_total = train_s = eval_s = trained = flop = 0.0
-    evals = math.ceil(epochs / setup.cfg.eval_every) if setup.cfg.eval_every else 1
-    eval_size = setup.cfg.eval_image_size or setup.cfg.image_size
-    arch, blurpool = setup.cfg.arch, setup.cfg.blurpool  # (the FLOPs of the model the run builds)
-    passes = 2 if setup.cfg.eval_flip else 1  # --eval-flip: each image and its mirror image pass the model
+    evals = math.ceil(epochs / system.cfg.eval_every) if system.cfg.eval_every else 1
+    eval_size = system.cfg.eval_image_size or system.cfg.image_size
+    arch, blurpool = system.cfg.arch, system.cfg.blurpool  # (the FLOPs of the model the run builds)
+    passes = 2 if system.cfg.eval_flip else 1  # --eval-flip: each image and its mirror image pass the model
     terms, start = [], 0.0
     for span_epochs, batch, accumulated in spans:
         eval_steps = math.ceil(math.ceil(IMAGENET_VAL_IMAGES / gpus) / batch)
         # an evaluation step is a forward pass a batch (two with flips): a third of a training step's compute
         eval_s += (evals * span_epochs / epochs * eval_steps * passes * (1 - BACKWARD_SHARE)
-                   * compute_seconds(setup, batch, eval_size))
-        for size_epochs, size in resolution_spans(setup.cfg, start, start + span_epochs):  # (progressive resizing)
-            step = step_terms(setup, gpus, batch, size, accumulated)
+                   * compute_seconds(system, batch, eval_size))
+        for size_epochs, size in resolution_spans(system.cfg, start, start + span_epochs):  # (progressive resizing)
+            step = step_terms(system, gpus, batch, size, accumulated)
             steps = math.ceil(size_epochs * IMAGENET_TRAIN_IMAGES / step["global_batch"])
             steps_total += steps
             train_s += steps * step["step_s"]
@@ -314,7 +317,7 @@ def plan(setup: Setup, gpus: int) -> dict:
         start += span_epochs
     # the work of the evaluations too, as train.score counts a run's: each validation image once an evaluation
     flop += evals * IMAGENET_VAL_IMAGES * passes * eval_flops_per_image(arch, eval_size, blurpool=blurpool)
-    time_to_train = setup.startup_s + train_s + eval_s
+    time_to_train = system.startup_s + train_s + eval_s
     flops = flop / time_to_train
     first = terms[0]
     row = {"gpus": gpus, "nodes": nodes, "per_gpu_batch": first["per_gpu_batch"],
@@ -325,8 +328,8 @@ def plan(setup: Setup, gpus: int) -> dict:
            "peak_bound": first["peak_bound"], "nccl_algorithm": first["nccl_algorithm"],
            "img_per_s": trained / train_s, "img_per_s_per_gpu": trained / train_s / gpus, "epochs": epochs,
            "epochs_source": epochs_source, "steps": steps_total, "evals": evals, "eval_s": eval_s,
-           "startup_s": setup.startup_s, "train_s": train_s, "time_to_train_s": time_to_train, "flops": flops,
-           "top1": setup.top1, "valid_flops": valid_flops(flops, setup.top1), "allreduce": setup.allreduce}
+           "startup_s": system.startup_s, "train_s": train_s, "time_to_train_s": time_to_train, "flops": flops,
+           "top1": system.top1, "valid_flops": valid_flops(flops, system.top1), "allreduce": system.allreduce}
     if len(terms) > 1:
         row["phases"] = terms
     return row

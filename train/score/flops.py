@@ -62,7 +62,7 @@ def images_by_size(config: dict, images: int, records: list[dict]) -> dict[int, 
     resume record (its checkpoint's step) drops the spans recorded past it: they were trained again. A
     record without a size (a run from before records had it) and the images after the last record (a
     crashed run's last steps) count at the size config.yaml's settings give their epoch."""
-    from train.schedule import resolution_ramp
+    from train.crops import resolution_ramp
     ramp = resolution_ramp(str(config.get("resolution_schedule") or ""))
 
     def planned(epoch: int) -> int:  # the crop size of epoch `epoch` (from 0) by the run's settings

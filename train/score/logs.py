@@ -3,7 +3,7 @@ config.yaml; and the trainer's training-time clock, which leaves out the downtim
 import json
 from pathlib import Path
 
-import yaml
+from train.rundir import RunDir
 
 
 def read_mllog(path: Path, notes: list) -> list[dict]:
@@ -21,20 +21,20 @@ def read_mllog(path: Path, notes: list) -> list[dict]:
 
 def read_metrics(run_dir: Path, notes: list) -> list[dict]:
     """The records of run_dir/metrics.jsonl in file order; none when it is missing."""
-    metrics = []
-    if (run_dir / "metrics.jsonl").is_file():
-        for line in (run_dir / "metrics.jsonl").read_text(errors="replace").splitlines():
+    metrics, path = [], RunDir(run_dir).metrics
+    if path.is_file():
+        for line in path.read_text(errors="replace").splitlines():
             try:
                 metrics.append(json.loads(line))
             except json.JSONDecodeError:
-                notes.append("a line of metrics.jsonl is cut off; ignored")
+                notes.append(f"a line of {path.name} is cut off; ignored")
     return metrics
 
 
 def read_config(run_dir: Path) -> dict:
-    """The run's settings from run_dir/config.yaml; none when it is missing."""
-    path = run_dir / "config.yaml"
-    return yaml.safe_load(path.read_text()) if path.is_file() else {}
+    """The run's settings from run_dir/config.yaml (old keys renamed); none when it is missing."""
+    saved = RunDir(run_dir)
+    return saved.saved_settings() if saved.holds_config() else {}
 
 
 def training_seconds(time_ms: float, run_start_ms: float, resumes: list[dict]) -> float:

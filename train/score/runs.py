@@ -3,7 +3,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from train.config import PREEMPTED_MARKER
+from train.rundir import RunDir
 from train.runlock import describe, running
 from train.score.flops import HPC_AI500_POWER, HPC_AI500_TARGET, IMAGENET_TRAIN_IMAGES, published_flop, run_flop, valid_flops
 from train.score.level import hpc_ai500_level
@@ -56,7 +56,7 @@ def _records_from_mllog(mllog: Path, log: _Log) -> list[dict]:
     is missing: an `epoch` record (step, epoch, images) at each epoch_stop and an `eval` record
     (eval_samples images, with no size or flips: config.yaml's count) at each eval, up to the run's end;
     ScoreError naming what cannot be counted."""
-    missing = f"{mllog.parent / 'metrics.jsonl'} is missing"
+    missing = f"{RunDir(mllog.parent).metrics} is missing"
     if log.segments > 1:
         raise ScoreError(f"{missing} and {mllog} holds a resumed run ({log.segments} segments): its training time "
                          "needs the downtime between segments, which only metrics.jsonl's resume records hold")
@@ -114,9 +114,8 @@ def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, n
         return "unknown", ("no verdict: mllog.txt is missing, and the MLPerf verdict needs it; timed by metrics.jsonl "
                            "to its last eval")
     if log.status == "crashed":
-        marker = run_dir / PREEMPTED_MARKER
-        if marker.is_file():  # written beside checkpoint.pt by a run stopped by a signal; a resume removes it
-            step = marker.read_text().strip().removeprefix("step ")
+        step = RunDir(run_dir).preempted_at()  # (the marker beside checkpoint.pt of a run stopped by a signal; a resume removes it)
+        if step:
             notes.append(f"preempted at step {step}: resumable, its checkpoint.pt continues it (start the same "
                          f"command with --out-dir {run_dir}); scored up to its last complete eval")
             return "preempted", f"no verdict: preempted at step {step}, the run has not ended"
@@ -180,7 +179,7 @@ def _note_segments(status: str, log: _Log, resumes: list[dict], seconds: float, 
 
 def score_run(run_dir: Path, target: float, power: float, mlperf_target: float, check: bool) -> Score:
     """Score one run directory up to its end (its last eval if it crashed); ScoreError if it cannot be."""
-    mllog = run_dir / "mllog.txt"
+    mllog = RunDir(run_dir).mllog
     if not run_dir.exists():
         raise ScoreError(f"{run_dir} does not exist")
     notes: list[str] = []
