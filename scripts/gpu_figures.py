@@ -114,7 +114,7 @@ def train(run_dir: Path, argv: list[str], sync_check: bool) -> dict:
     failure = ""
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-            cfg = parse(["--out-dir", str(run_dir), "--eval-every", "0", "--no-checkpoints", "--no-tensorboard", *argv])
+            cfg = parse(["--out-dir", str(run_dir), "--eval-every", "0", "--no-save-checkpoints", "--no-tensorboard", *argv])
             run(cfg, hooks=(SyncCheck(),) if sync_check else ())
     except Exception as error:  # (the sync check's own is a RuntimeError: the step waited for the GPU)
         failure = _where(error)
@@ -274,7 +274,7 @@ def dali_feed(run_dir: Path, argv: list[str], epochs: int = 3) -> dict:
     from train.cli import parse
     from train.startup import prepare
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        setup = prepare(parse(["--out-dir", str(run_dir), "--eval-every", "0", "--no-checkpoints", "--no-tensorboard",
+        setup = prepare(parse(["--out-dir", str(run_dir), "--eval-every", "0", "--no-save-checkpoints", "--no-tensorboard",
                                *argv]))
     sync = torch.cuda.synchronize if setup.engine.device.type == "cuda" else (lambda: None)
     try:

@@ -220,7 +220,7 @@ def test_no_checkpoints_writes_none_and_a_restart_starts_again(tmp_path):
     assert "starting it again from step 0" in again.stdout, again.stdout
     assert not list(run.glob("*.pt"))
     refused = run_train(*flags, "--keep-checkpoints", 2, cwd=tmp_path)
-    assert refused.returncode == 2 and "--no-checkpoints" in refused.stderr, refused.stderr
+    assert refused.returncode == 2 and "--no-save-checkpoints" in refused.stderr, refused.stderr
 
 
 @pytest.mark.slow(seconds=15)

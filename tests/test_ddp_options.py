@@ -13,7 +13,7 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from helpers import REPO, launch
-from train.config import Config, Run
+from train.config import Config, ResolvedConfig
 from train.engines.torch_distributed import ddp_options
 
 ACCEPTED = inspect.signature(DistributedDataParallel).parameters
@@ -64,7 +64,7 @@ def test_static_graph_is_off_wherever_the_run_accumulates():
     assert static_graph(CPU, ddp_static_graph="on", accumulation_steps=2) is False  # 1 rank x 8 x 2
     assert static_graph(GPU, accumulation_steps=1) is True and static_graph(GPU, accumulation_steps=2) is False
     # a later --batch-schedule phase that accumulates (2 ranks, 64 per rank above the largest batch 16): off
-    assert ddp_options(Run(batch_size=8, global_batch_size=16, accumulation_steps=1, largest_batch=16,
+    assert ddp_options(ResolvedConfig(batch_size=8, global_batch_size=16, accumulation_steps=1, largest_batch=16,
                            batch_schedule="1:128", ddp_static_graph="on"), CPU, ACCEPTED)["static_graph"] is False
 
 

@@ -62,7 +62,7 @@ def test_the_last_epochs_and_the_best_are_kept_across_a_restart(tmp_path):
     assert float(re.search(r"top-1 (\S+)", scored.stdout).group(1)) == pytest.approx(best["top1"], abs=1e-4)
     missing = run_train("--test-only", "--out-dir", "run", "--checkpoint", "checkpoint-epoch001.pt", cwd=tmp_path)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines() == [
-        "error: --checkpoint checkpoint-epoch001.pt is neither a file in run nor a path; run holds checkpoint-best.pt, "
+        "error: --test-checkpoint checkpoint-epoch001.pt is neither a file in run nor a path; run holds checkpoint-best.pt, "
         "checkpoint-epoch003.pt, checkpoint-epoch004.pt, checkpoint.pt"]
 
     weights, _ = init_weights(Config(arch="resnet18", num_classes=10, init_from=str(run / "checkpoint-epoch003.pt")))
@@ -85,7 +85,7 @@ def test_copies_a_run_had_no_time_to_make_are_made_when_it_starts_again(tmp_path
 
 
 def test_checkpoint_is_for_test_only():
-    with pytest.raises(UsageError, match="^--checkpoint checkpoint-best.pt names what --test-only evaluates; to "
+    with pytest.raises(UsageError, match="^--test-checkpoint checkpoint-best.pt names what --test-only evaluates; to "
                                          "start a run from its weights, give --init-from$"):
         parse(["--checkpoint", "checkpoint-best.pt"])
 

@@ -62,8 +62,8 @@ def _ways(total: int, world_size: int, largest: int) -> str:
         return "choose a global batch that divides over the ranks"
     share = total // world_size
     pairs = [(share // steps, steps) for steps in range(1, share + 1) if share % steps == 0 and share // steps <= largest]
-    said = " or ".join(f"--batch-size {batch} --accumulation-steps {steps}" for batch, steps in pairs[:3])
-    return f"global batch {total} on {world_size} rank(s) is e.g. {said}" if said else "give two of the three"
+    working_pairs = " or ".join(f"--batch-size {batch} --accumulation-steps {steps}" for batch, steps in pairs[:3])
+    return f"global batch {total} on {world_size} rank(s) is e.g. {working_pairs}" if working_pairs else "give two of the three"
 
 
 def phase_split(global_batch: int, world_size: int, steps: int, largest: int) -> tuple[int, int]:

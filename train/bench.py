@@ -84,7 +84,8 @@ def crop_said(sizes: list[int], image_size: int) -> str:
 # flags of python -m train that the bench sets itself
 BENCH_OWNS = {"--max-steps": "--warmup-steps + --steps", "--resume": "a benchmark resumes nothing",
               "--test-only": "infer measures a trained model", "--show-recipe": "a benchmark trains",
-              "--eval-every": "a benchmark does not evaluate", "--checkpoints": "a benchmark writes no checkpoint"}
+              "--eval-every": "a benchmark does not evaluate", "--save-checkpoints": "a benchmark writes no checkpoint",
+              "--checkpoints": "a benchmark writes no checkpoint"}
 
 
 def _given(argv: list[str], flag: str) -> bool:
@@ -118,7 +119,7 @@ def bench_train(argv: list[str]) -> int:
     scratch = None if kept else (Path(tempfile.mkdtemp(prefix="trainer-bench-")) if rank == 0 else
                                  Path(tempfile.gettempdir()) / f"trainer-bench-rank{rank}")  # (only rank 0 writes)
     out = [] if kept else ["--out-dir", str(scratch / "run")]
-    cfg, start = read_command([*defaults, *rest, *out, "--no-checkpoints", "--eval-every", "0",
+    cfg, start = read_command([*defaults, *rest, *out, "--no-save-checkpoints", "--eval-every", "0",
                                 "--max-steps", str(ours.warmup_steps + ours.steps)])
     timer = StepTimer(ours.warmup_steps, ours.steps)
     trace = ProfileTrace(Path(ours.profile), ours.warmup_steps, ours.steps) if ours.profile else None

@@ -75,8 +75,8 @@ def _read(path: Path, device: torch.device, what_to_do: str, mmap: bool = False)
     try:
         state = torch.load(path, map_location=device, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:  # weights_only's refusal: a global it does not allow
-        named = re.search(r"GLOBAL (\S+)", str(err))
-        why = f"it names {named.group(1)}" if named else "it is not a torch checkpoint"
+        global_name = re.search(r"GLOBAL (\S+)", str(err))
+        why = f"it names {global_name.group(1)}" if global_name else "it is not a torch checkpoint"
         raise _refused(path, f"{why}, which is not plain data; refused, nothing in it was run", what_to_do) from None
     except OSError as err:
         raise _refused(path, f"it cannot be read ({err.strerror or err})", what_to_do) from None

@@ -18,10 +18,10 @@ from pathlib import Path
 import yaml
 
 from train.command import CommandParser
-from train.config import CHOICES, FIELDS, GROUPS, Config
+from train.config import CHOICES, FIELDS, GROUPS, RENAMED, Config
 from train.errors import UsageError
 from train.rundir import RunDir, Start, decide
-from train.crops import MAX_CROP, MIN_CROP, NO_RAMP
+from train.crops import NO_RAMP
 
 
 def preset_names() -> list[str]:
@@ -56,6 +56,7 @@ def checked_overrides(values, source: str, what: str) -> dict:
         values = {}
     if not isinstance(values, dict):
         raise UsageError(f"{what} {source} must be a mapping of settings, not {type(values).__name__}")
+    values = {RENAMED.get(str(key).replace("-", "_"), key): value for key, value in values.items()}
     for key, value in values.items():
         key_field = FIELDS.get(str(key).replace("-", "_"))
         if key_field is None or (key_field.name == "preset" and what == "preset"):
@@ -121,7 +122,7 @@ def parser() -> argparse.ArgumentParser:
     """The flags, one argument group per task (config.GROUPS), each with its help and its default said once."""
     p = CommandParser(prog="python -m train", usage=USAGE, description="Train a ResNet on ImageNet-layout data.",
                       epilog=EPILOG, argument_default=argparse.SUPPRESS)
-    named = {**choices(), "preset": tuple(preset_names())}
+    names_taken = {**choices(), "preset": tuple(preset_names())}
     for title, members in GROUPS.items():
         group = p.add_argument_group(title)
         for name in members:
@@ -129,15 +130,21 @@ def parser() -> argparse.ArgumentParser:
             help_text = f.metadata["help"]
             if "default:" not in help_text:  # a help that says its default in its own words keeps only that
                 help_text += f" (default: {_shown(f.default)})"
-            if f.name in named:  # the names go before the default
-                body, said, default = help_text.partition(" (default:")
-                help_text = f"{body}; one of {', '.join(named[f.name])}{said}{default}"
-            flag = "--" + f.name.replace("_", "-")
-            if f.type is bool:
-                group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
-            else:
-                group.add_argument(flag, type=f.type, metavar=metavar(f), help=help_text)
+            if f.name in names_taken:  # the names go before the default
+                body, default_said, default = help_text.partition(" (default:")
+                help_text = f"{body}; one of {', '.join(names_taken[f.name])}{default_said}{default}"
+            _add_flag(group, f, "--" + f.name.replace("_", "-"), help_text)
+    groups = {group.title: group for group in p._action_groups}
+    for old, new in RENAMED.items():  # the old spelling still works, unlisted, in its setting's group
+        _add_flag(groups[FIELDS[new].metadata["group"]], FIELDS[new], "--" + old.replace("_", "-"), argparse.SUPPRESS)
     return p
+
+
+def _add_flag(group, f, flag: str, help_text: str) -> None:
+    if f.type is bool:
+        group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, help=help_text)
+    else:
+        group.add_argument(flag, dest=f.name, type=f.type, metavar=metavar(f), help=help_text)
 
 
 def _shown(default) -> str:
@@ -232,42 +239,6 @@ def keep_saved_batch(values: dict, flags: dict, start: Start, from_saved: bool) 
     return dataclasses.replace(start, saved_batch=kept, command_batch=command)
 
 
-# The values each number setting may take: (test, what the refusal says it must be). A float must be
-# finite as well; every int and float field has an entry (tests/test_validation.py checks).
-ZERO_OR_MORE = (lambda v: v >= 0, "0 or more")
-AT_LEAST_1 = (lambda v: v >= 1, "at least 1")
-ABOVE_0 = (lambda v: v > 0, "more than 0")
-BELOW_1 = (lambda v: 0 <= v < 1, "in [0, 1)")
-# one rule for every crop size, training and evaluation alike; the upper bound stops a typo (100000 px) here,
-# not at an allocation of over 100 GB once the run has started
-CROP_SIZE = f"a crop size from {MIN_CROP} to {MAX_CROP} px"
-BOUNDS = {
-    "workers": ZERO_OR_MORE, "threads": ZERO_OR_MORE, "image_size": (lambda v: MIN_CROP <= v <= MAX_CROP, CROP_SIZE),
-    "crop_min_scale": (lambda v: 0 < v <= 1, "in (0, 1]"), "crop_max_scale": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "crop_min_aspect": ABOVE_0, "crop_max_aspect": ABOVE_0,
-    "synthetic_images": AT_LEAST_1, "synthetic_val_images": ZERO_OR_MORE, "synthetic_classes": AT_LEAST_1,
-    "num_classes": ZERO_OR_MORE, "bn_group_size": ZERO_OR_MORE, "bn_recompute_batches": ZERO_OR_MORE,
-    "batch_size": (lambda v: v >= 0, "positive"), "global_batch_size": (lambda v: v >= 0, "positive"),
-    "accumulation_steps": ZERO_OR_MORE,
-    "epochs": (lambda v: v >= 1, "positive"), "lr": ZERO_OR_MORE, "lr_per_256": ZERO_OR_MORE,
-    "warmup_epochs": (lambda v: v >= 0 or v == -1, "0 or more (-1: chosen from the global batch)"),
-    "end_lr": ZERO_OR_MORE, "lr_decay_power": ZERO_OR_MORE, "warmup_start_lr": ZERO_OR_MORE,
-    "lr_decay_factor": (lambda v: 0 < v <= 1, "in (0, 1]"),
-    "sgd_share_center": ZERO_OR_MORE, "sgd_share_width": ZERO_OR_MORE, "rmsprop_lr_ratio": ZERO_OR_MORE,
-    "rmsprop_alpha": BELOW_1, "rmsprop_epsilon": ABOVE_0,
-    "momentum": BELOW_1, "weight_decay": ZERO_OR_MORE, "lars_eta": ABOVE_0, "lars_epsilon": ZERO_OR_MORE,
-    "label_smoothing": BELOW_1, "augment_off_epoch": ZERO_OR_MORE, "eval_every": ZERO_OR_MORE,
-    "eval_offset": ZERO_OR_MORE,
-    "eval_image_size": (lambda v: v == 0 or MIN_CROP <= v <= MAX_CROP, f"0 (as --image-size) or {CROP_SIZE}"),
-    "ema_decay": BELOW_1, "target_accuracy": (lambda v: 0 <= v <= 1, "a fraction in (0, 1] (0: run all epochs)"),
-    "ranks_per_node": ZERO_OR_MORE, "torus_rows": ZERO_OR_MORE, "bn_span": AT_LEAST_1, "stop_check_every": ZERO_OR_MORE,
-    "seed": (lambda v: 0 <= v < 2 ** 32, "in [0, 2**32)"), "max_steps": ZERO_OR_MORE, "log_every": AT_LEAST_1,
-    "checkpoint_every": AT_LEAST_1, "checkpoint_every_steps": ZERO_OR_MORE, "checkpoint_every_minutes": ZERO_OR_MORE,
-    "keep_checkpoints": ZERO_OR_MORE,
-    "commit_every": AT_LEAST_1, "max_bad_steps": AT_LEAST_1,
-}
-
-
 def validate(cfg: Config) -> Config:
     """Each setting alone (numbers in range, names known, schedules readable), then the combinations."""
     _check_numbers(cfg)
@@ -282,8 +253,10 @@ def _need(ok: bool, message: str) -> None:
 
 
 def _check_numbers(cfg: Config) -> None:
-    for name, (test, wording) in BOUNDS.items():
-        value, flag = getattr(cfg, name), "--" + name.replace("_", "-")
+    for name, number_field in FIELDS.items():
+        if not number_field.metadata["bounds"]:
+            continue
+        (test, wording), value, flag = number_field.metadata["bounds"], getattr(cfg, name), "--" + name.replace("_", "-")
         if FIELDS[name].type is float:
             _need(math.isfinite(value), f"{flag} must be a finite number, got {value}")
         if name == "target_accuracy" and 1 < value <= 100:  # 75.9 would never be reached: top-1 is a fraction
@@ -321,12 +294,12 @@ def _check_combinations(cfg: Config) -> None:
     _need(not cfg.lars_compile or cfg.optimizer == "lars", "--lars-compile needs --optimizer lars")
     _need(not cfg.raw_weights or cfg.test_only, "--raw-weights is --test-only's (it evaluates the trained weights, "
           "not the --ema-decay average); add --test-only, or drop it")
-    _need(not cfg.checkpoint or cfg.test_only, f"--checkpoint {cfg.checkpoint} names what --test-only evaluates; "
+    _need(not cfg.test_checkpoint or cfg.test_only, f"--test-checkpoint {cfg.test_checkpoint} names what --test-only evaluates; "
           "to start a run from its weights, give --init-from")
-    if not cfg.checkpoints:  # (what would be written, asked for by name)
-        asked = [flag for flag, value in (("--keep-checkpoints", cfg.keep_checkpoints), ("--checkpoint-every-steps",
+    if not cfg.save_checkpoints:  # (what would be written, asked for by name)
+        writing_flags = [flag for flag, value in (("--keep-checkpoints", cfg.keep_checkpoints), ("--checkpoint-every-steps",
                  cfg.checkpoint_every_steps), ("--checkpoint-every-minutes", cfg.checkpoint_every_minutes)) if value]
-        _need(not asked, f"{asked[0] if asked else ''} writes checkpoints, which --no-checkpoints turns off; drop one of them")
+        _need(not writing_flags, f"{writing_flags[0] if writing_flags else ''} writes checkpoints, which --no-save-checkpoints turns off; drop one of them")
     _need(cfg.division == "open" or (not cfg.batch_schedule and cfg.optimizer in ("lars", "sgd")
                                      and cfg.lr_schedule == "warmup-poly"),
           "--batch-schedule, --optimizer rmsprop-warmup and --lr-schedule other than warmup-poly are not allowed in the "

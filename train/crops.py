@@ -37,10 +37,10 @@ def resolution_ramp(text: str) -> ResolutionRamp | None:
     value and what to give when it is not one."""
     if text.strip().lower() in NO_RAMP:
         return None
-    said, example = f"--resolution-schedule {text!r}", "e.g. 160:192:65:76"
+    flag_given, example = f"--resolution-schedule {text!r}", "e.g. 160:192:65:76"
     parts = [part.strip() for part in text.split(":")]
     if len(parts) not in (4, 5):
-        raise ValueError(f"{said}: has {len(parts)} value{'s' if len(parts) > 1 else ''}, not 4 or 5; give "
+        raise ValueError(f"{flag_given}: has {len(parts)} value{'s' if len(parts) > 1 else ''}, not 4 or 5; give "
                          f"START:END:FROM:TO[:STEP], {example}")
     numbers = []
     units = ("pixels", "pixels", "epochs", "epochs", "pixels")
@@ -49,19 +49,19 @@ def resolution_ramp(text: str) -> ResolutionRamp | None:
             numbers.append(int(part))
         except ValueError:
             what = f"{part} is not a whole number" if _is_number(part) else f"{part!r} is not a number"
-            raise ValueError(f"{said}: {name} {what} of {unit}; give whole {unit}, {example}") from None
+            raise ValueError(f"{flag_given}: {name} {what} of {unit}; give whole {unit}, {example}") from None
     start, end, first, last, step = numbers + [32] * (5 - len(numbers))
     for name, size in (("START", start), ("END", end)):
         if not MIN_CROP <= size <= MAX_CROP:
-            raise ValueError(f"{said}: {name} {size} is not a crop size from {MIN_CROP} to {MAX_CROP} px; give one "
+            raise ValueError(f"{flag_given}: {name} {size} is not a crop size from {MIN_CROP} to {MAX_CROP} px; give one "
                              f"in that range, {example}")
     if step < 8 or step % 8:
-        raise ValueError(f"{said}: STEP {step} is not a positive multiple of 8 (the ramp rounds its sizes to multiples of "
+        raise ValueError(f"{flag_given}: STEP {step} is not a positive multiple of 8 (the ramp rounds its sizes to multiples of "
                          "STEP); give 8, 16, 32 or another multiple of 8, e.g. 160:192:65:76:32")
     if first < 0:
-        raise ValueError(f"{said}: FROM {first} is not 0 or more; give the epochs done before the ramp, {example}")
+        raise ValueError(f"{flag_given}: FROM {first} is not 0 or more; give the epochs done before the ramp, {example}")
     if last < first:
-        raise ValueError(f"{said}: FROM {first} is after TO {last}; give FROM not above TO, {example}")
+        raise ValueError(f"{flag_given}: FROM {first} is after TO {last}; give FROM not above TO, {example}")
     return ResolutionRamp(start, end, first, last, step)
 
 

@@ -36,7 +36,7 @@ def evaluate(model, loader, precision, engine, flip: bool = False) -> tuple[floa
     hits_so_far = torch.zeros(2, dtype=torch.int64, device=engine.device)  # top-1, top-5: on the device until the end
     images = 0
     share = -(-loader.val_images // engine.world_size)  # rank 0's images (its share, rounded up)
-    said = Progress("evaluating", unit="batches", enabled=engine.rank == 0)
+    bar = Progress("evaluating", unit="batches", enabled=engine.rank == 0)
     for done, (batch, labels) in enumerate(loader.val_batches(), 1):
         batch = padded(batch, loader.eval_batch_size)
         with precision.autocast():
@@ -45,8 +45,8 @@ def evaluate(model, loader, precision, engine, flip: bool = False) -> tuple[floa
         hits = top == labels[:, None]
         hits_so_far += torch.stack([hits[:, 0].sum(), hits.any(dim=1).sum()])
         images += len(labels)
-        said.total = said.total or -(-share // len(batch))  # (the batch size, from the first batch)
-        said.tick(done)
+        bar.total = bar.total or -(-share // len(batch))  # (the batch size, from the first batch)
+        bar.tick(done)
     counts = engine.all_reduce_sum(torch.cat([hits_so_far, to_device(torch.tensor([images]), engine.device)]))
     top1, top5, total = counts.tolist()
     return top1 / max(total, 1), top5 / max(total, 1), total
@@ -97,22 +97,22 @@ def model_settings(cfg: Config, state: dict) -> dict:
     recorded = current_keys(state.get("config") or {})  # (none in a checkpoint of another script: the flags then)
     settings = {}
     for name in MODEL_SETTINGS:
-        asked = getattr(cfg, name)
-        settings[name] = recorded.get(name, asked)
-        if name in cfg.flags_given and asked != settings[name]:
-            raise UsageError(contradiction(name, asked, settings[name]))
+        given = getattr(cfg, name)
+        settings[name] = recorded.get(name, given)
+        if name in cfg.flags_given and given != settings[name]:
+            raise UsageError(contradiction(name, given, settings[name]))
     return settings
 
 
-def contradiction(name: str, asked, recorded) -> str:
+def contradiction(name: str, given, recorded) -> str:
     """The one line that refuses a --test-only flag contradicting the checkpoint's run."""
-    if name == "ema_decay" and not asked:
+    if name == "ema_decay" and not given:
         return (f"--ema-decay 0 contradicts the checkpoint (its run kept an average of the weights, --ema-decay "
                 f"{recorded:g}, which --test-only evaluates); give --raw-weights instead to evaluate the trained weights")
     if name == "ema_decay":
         kept = f"the average of --ema-decay {recorded:g}" if recorded else "no average of the weights"
-        return f"--ema-decay {asked:g} contradicts the checkpoint (its run kept {kept}); drop it"
-    return f"{as_flag(name, asked)} contradicts the checkpoint (its run trained with {as_flag(name, recorded)}); drop it"
+        return f"--ema-decay {given:g} contradicts the checkpoint (its run kept {kept}); drop it"
+    return f"{as_flag(name, given)} contradicts the checkpoint (its run trained with {as_flag(name, recorded)}); drop it"
 
 
 def as_flag(name: str, value) -> str:

@@ -237,6 +237,6 @@ class Images:
 
 
 def _unreadable(err: Exception) -> str:
-    said = str(err).splitlines()[0] if str(err).strip() else ""
-    said = "" if "<" in said else f": {said}"  # (PIL names its file object: nothing to a reader)
-    return f"not a readable image ({type(err).__name__}{said})"
+    detail = str(err).splitlines()[0] if str(err).strip() else ""
+    detail = "" if "<" in detail else f": {detail}"  # (PIL names its file object: nothing to a reader)
+    return f"not a readable image ({type(err).__name__}{detail})"

@@ -30,7 +30,7 @@ from train import checkpoint
 from train.batches import epoch_split
 from train.bnstats import RecentBatches, StepStatistics, recompute_bn_statistics, share_bn_statistics
 from train.compiled import compile_in_place, run_shapes
-from train.config import Config, Run
+from train.config import Config, ResolvedConfig
 from train.ema import WeightAverage
 from train.errors import Diverged, Preempted, RunAborted, raised_everywhere
 from train.evaluate import evaluate, replicas_differing
@@ -128,9 +128,9 @@ class Training:
         self.skipped = SkippedFiles(engine, self.log.warning)
         self.flag_checks = FlagChecks(cfg.stop_check_every)  # the steps where the ranks agree to stop, or to checkpoint
         if setup.init:  # --init-from's weights, checked at start-up; every rank loads the same
-            (weights, said), setup.init = setup.init, None  # (not held for the whole run once loaded)
+            (weights, start_line), setup.init = setup.init, None  # (not held for the whole run once loaded)
             model.load_state_dict({**model.state_dict(), **weights})  # (a new class count: the head stays as built)
-            self.log.print(said)
+            self.log.print(start_line)
         if cfg.compile:  # in place, before the engine wraps it: class and state_dict keys stay (docs/compile.md)
             logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # (a GPU-less host with nvcc: "No CUDA runtime")
             compile_in_place(model, cfg.compile_mode, run_shapes(cfg, self.plan, engine.world_size))
@@ -146,7 +146,7 @@ class Training:
         self.step_statistics = StepStatistics(engine.unwrap(self.model))  # (--accumulation-steps: BN's, once a step)
 
     @property
-    def cfg(self) -> Run:
+    def cfg(self) -> ResolvedConfig:
         return self.setup.cfg
 
     @property

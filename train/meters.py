@@ -58,13 +58,13 @@ class SkippedFiles:
 
     def __init__(self, engine, warn):
         self.engine, self.warn = engine, warn
-        self.in_epoch, self.named = set(), set()
+        self.in_epoch, self.warned_names = set(), set()
 
     def state_dict(self) -> dict:
-        return {"skipped_in_epoch": sorted(self.in_epoch), "named_skips": sorted(self.named)}
+        return {"skipped_in_epoch": sorted(self.in_epoch), "named_skips": sorted(self.warned_names)}
 
     def load_state_dict(self, saved: dict) -> None:
-        self.in_epoch, self.named = set(saved.get("skipped_in_epoch", ())), set(saved.get("named_skips", ()))
+        self.in_epoch, self.warned_names = set(saved.get("skipped_in_epoch", ())), set(saved.get("named_skips", ()))
 
     def take(self, loader, split: str) -> set[str]:
         """The files `loader` skipped on all ranks since the last take (training ones join the epoch's);
@@ -73,8 +73,8 @@ class SkippedFiles:
         if not self.engine.any(count > 0):  # (rarely true: then every rank gathers)
             return set()
         skipped = {name for rank in self.engine.gather_object(names) for name in rank}
-        new = sorted(skipped - self.named)
-        self.named.update(new)
+        new = sorted(skipped - self.warned_names)
+        self.warned_names.update(new)
         if new:
             self.warn(f"skipped {len(new)} unreadable {split} image(s) not named before, e.g. {', '.join(new[:3])} "
                  "(metrics.jsonl counts each in every epoch it is skipped)")

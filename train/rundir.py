@@ -17,12 +17,9 @@ from pathlib import Path
 import yaml
 
 from train import runlock
-from train.config import DEFINING
+from train.config import DEFINING, RENAMED
 from train.errors import RunFinished, UsageError
 
-# A saved setting's old key -> its key now, applied wherever saved settings are read (config.yaml, a
-# checkpoint's "config" entry), so that a run saved before a rename still restarts, resumes and is scored.
-RENAMED: dict[str, str] = {}
 
 
 def current_keys(settings):
@@ -145,7 +142,7 @@ class RunDir:
         return peek(self.to_resume()[0])
 
     def to_evaluate(self, name: str) -> Path:
-        """The checkpoint --test-only evaluates: --checkpoint's file (a name in the run directory, such as
+        """The checkpoint --test-only evaluates: --test-checkpoint's file (a name in the run directory, such as
         checkpoint-best.pt, or a path), else the run's checkpoint.pt."""
         if not name:
             if not self.checkpoint.is_file():
@@ -154,14 +151,14 @@ class RunDir:
         found = next((path for path in (self.path / name, Path(name)) if path.is_file()), None)
         if found is None:
             kept = [path.name for path in self.checkpoints()]
-            raise UsageError(f"--checkpoint {name} is neither a file in {self.path} nor a path; "
+            raise UsageError(f"--test-checkpoint {name} is neither a file in {self.path} nor a path; "
                              f"{self.path} holds {', '.join(kept) or 'no checkpoint'}")
         return found
 
     def left_to_continue(self, written: bool) -> str:
-        """What a stopped run leaves to continue from, for its last line (`written`: --checkpoints)."""
+        """What a stopped run leaves to continue from, for its last line (`written`: --save-checkpoints)."""
         from train.checkpoint_read import peek
-        off = "" if written else "this run writes no checkpoint (--no-checkpoints); "
+        off = "" if written else "this run writes no checkpoint (--no-save-checkpoints); "
         try:
             return f"{off}the last good checkpoint (step {peek(self.checkpoint)['step']}) is kept in {self.path}"
         except (OSError, UsageError):  # none yet (or none readable): the run starts again from step 0

@@ -331,10 +331,10 @@ def batch_kept(start, cfg, ranks: int, out_dir) -> list[str]:
         before = cfg.global_batch_size // (saved[0] * saved[1])
         lines.append(f"global batch {cfg.global_batch_size} kept on {ranks} rank(s) as {split} (was {before} rank(s) x "
                      f"{saved[1]} accumulated): the same run, the per-rank batch unchanged")
-    asked = [f"{flag} {value}" for flag, value, resolved in zip(("--batch-size", "--accumulation-steps"), command,
+    not_taken = [f"{flag} {value}" for flag, value, resolved in zip(("--batch-size", "--accumulation-steps"), command,
                                                                  (cfg.batch_size, cfg.accumulation_steps)) if value and value != resolved]
-    if asked:
-        lines.append(f"warning: {' and '.join(asked)} not taken: {out_dir} holds a run of global batch "
+    if not_taken:
+        lines.append(f"warning: {' and '.join(not_taken)} not taken: {out_dir} holds a run of global batch "
                      f"{cfg.global_batch_size}, kept on {ranks} rank(s) as {split}; change it with --resume --global-batch-size")
     return lines
 
@@ -380,9 +380,9 @@ def crops_summary(cfg, note: str = "") -> str:
     from train.crops import resolution_ramp
     ramp = resolution_ramp(cfg.resolution_schedule)
     crops = f"crops {ramp.start} to {ramp.end} px" if ramp else f"crops {cfg.image_size} px"
-    said = ([f"ramp {cfg.resolution_schedule}"] if ramp else []) + ([note] if note else [])
-    if said:
-        crops += f" ({'; '.join(said)})"
+    crop_notes = ([f"ramp {cfg.resolution_schedule}"] if ramp else []) + ([note] if note else [])
+    if crop_notes:
+        crops += f" ({'; '.join(crop_notes)})"
     evaluated = cfg.eval_image_size or cfg.image_size
     size = f" at {evaluated} px" if ramp or evaluated != cfg.image_size else ""
     flips = " with flips" if cfg.eval_flip else ""

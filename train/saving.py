@@ -118,7 +118,7 @@ class Checkpoints:
         samples = self.samples_total()
         self.skipped.take(self.setup.loader, "training")  # (kept in the checkpoint: a resume in this epoch counts on from these)
         problem = None
-        if engine.rank == 0 and cfg.checkpoints:  # (--no-checkpoints: nothing written)
+        if engine.rank == 0 and cfg.save_checkpoints:  # (--no-save-checkpoints: nothing written)
             try:
                 self.wait_for_write()
                 copied = time.time()
@@ -144,7 +144,7 @@ class Checkpoints:
     def reserve_host_memory(self) -> None:
         """Once, after the first step (the optimizer has its state): the host memory of rank 0's
         checkpoint copies paged in (train/host_memory.py)."""
-        if self.host_memory_unreserved and self.engine.rank == 0 and self.cfg.checkpoints:
+        if self.host_memory_unreserved and self.engine.rank == 0 and self.cfg.save_checkpoints:
             reserve(self.state_dict())
             self.host_memory_unreserved = False
 
@@ -169,14 +169,14 @@ class Checkpoints:
 
     def left_to_continue(self) -> str:
         """What a stopped run leaves to continue from, for its last line."""
-        return self.run_dir.left_to_continue(self.cfg.checkpoints)
+        return self.run_dir.left_to_continue(self.cfg.save_checkpoints)
 
     def preempt(self) -> None:
         """A stop signal: the checkpoint on disk (and the preemption marker beside it) before any rank
         exits, then Preempted on every rank."""
         self.save(wait=True)
         step, restart_flags = self.state.step, self.setup.restart_flags
-        if self.engine.rank == 0 and not self.cfg.checkpoints:
+        if self.engine.rank == 0 and not self.cfg.save_checkpoints:
             print(f"preempted at step {step}: {self.left_to_continue()}", file=sys.stderr, flush=True)
         elif self.engine.rank == 0:
             self.run_dir.preempted_marker.write_text(f"step {step}\n")

@@ -17,7 +17,7 @@ from models import build_model, first_misfit
 from train import checkpoint, engines, runlock
 from train.batches import accumulates, phase_split, split_batch
 from train.compiled import GRAPH_MODES
-from train.config import Config, Run, to_dict
+from train.config import Config, ResolvedConfig, to_dict
 from train.device_choices import choose_loader
 from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
@@ -32,7 +32,7 @@ from train.schedule import EpochClock, batch_changes, batch_phases
 class Setup:
     """What start-up resolved, alike on every rank: the loop reads it and never calls back here.
     `reshare` is the part that depends on the rank count, made again when Horovod Elastic changes it."""
-    cfg: Run  # the settings resolved for the device, the rank count and the data
+    cfg: ResolvedConfig  # the settings resolved for the device, the rank count and the data
     engine: "engines.Engine"
     precision: Precision
     loader: object  # this rank's share of the data (data.Loader)
@@ -84,7 +84,7 @@ def prepare(cfg: Config, start: Start | None = None) -> Setup:
                  warnings=warnings + ([relisted] if relisted else []))
 
 
-def same_sample_lists(engine, cfg: Run, precision: Precision, data_dir: str, loader) -> tuple:
+def same_sample_lists(engine, cfg: ResolvedConfig, precision: Precision, data_dir: str, loader) -> tuple:
     """(loader, warning or ""): every rank trains on the same sample list. Each rank reads its list
     from an index (data/index.py), and a node's own cache may hold one that passes the index's check
     but lists other files; so the ranks compare digests of their lists, and when any differs from rank
@@ -115,12 +115,12 @@ def same_sample_lists(engine, cfg: Run, precision: Precision, data_dir: str, loa
 
 def prepare_evaluation(cfg: Config, start: Start | None = None) -> tuple:
     """--test-only's start-up: (engine, precision, loader, saved state) for the checkpoint in --out-dir
-    (or --checkpoint) over the validation set of its run's data (or --data-dir)."""
+    (or --test-checkpoint) over the validation set of its run's data (or --data-dir)."""
     engine = create_engine(cfg)
     run_dir = start.run_dir if start and start.run_dir else RunDir(cfg.out_dir)
 
     def checked():
-        saved = run_dir.to_evaluate(cfg.checkpoint)
+        saved = run_dir.to_evaluate(cfg.test_checkpoint)
         precision = Precision(cfg.precision, engine.device)
         batch = cfg.batch_size or cfg.global_batch_size // engine.world_size or DEFAULT_PER_RANK_BATCH  # the run's per-rank batch
         data_dir = resolve_data_dir(cfg)
@@ -187,7 +187,7 @@ def on_every_rank(engine, step):
 
 
 def checked_setup(cfg: Config, engine, out_dir: str, start: Start | None = None):
-    """The settings resolved and the parts that check the input: (the Run, loader, precision, data dir,
+    """The settings resolved and the parts that check the input: (the ResolvedConfig, loader, precision, data dir,
     the header's notes, --init-from's weights and line or None, warning lines). What the flags leave
     open the device decides (train/device_choices.py): the precision, the loader and the per-GPU batch."""
     start = start or decide(cfg.out_dir, cfg.resume, cfg.test_only)
@@ -234,12 +234,12 @@ def checked_setup(cfg: Config, engine, out_dir: str, start: Start | None = None)
     return run, loader, precision, data_dir, notes, init, warnings
 
 
-def resolved(cfg: Config, **chosen) -> Run:
+def resolved(cfg: Config, **chosen) -> ResolvedConfig:
     """The Config as typed with the values start-up chose."""
-    return Run(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, **chosen})
+    return ResolvedConfig(**{**{f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg)}, **chosen})
 
 
-def _build_loader(cfg: Run, engine, precision: Precision, data_dir: str, relist: bool = False):
+def _build_loader(cfg: ResolvedConfig, engine, precision: Precision, data_dir: str, relist: bool = False):
     return build_loader(cfg.loader, LoaderSettings.of(cfg, data_dir=data_dir, precision=precision.name, relist=relist),
                         engine.rank, engine.world_size, engine.device)
 
@@ -286,11 +286,11 @@ def init_weights(cfg: Config) -> tuple[dict, str]:
     extra = next((name for name in weights if name not in expected), None)
     if extra:
         raise UsageError(f"--init-from {path} holds {extra}, which {where} does not have; give weights of the same --arch")
-    said = f"starting from the weights in {path}" + (f" ({', '.join(found)})" if found else "")
+    start_line = f"starting from the weights in {path}" + (f" ({', '.join(found)})" if found else "")
     if any(weights[name].shape != expected[name].shape for name in HEAD):
-        said += f"; fc.* left new: {weights['fc.weight'].shape[0]} classes there, {cfg.num_classes} here"
+        start_line += f"; fc.* left new: {weights['fc.weight'].shape[0]} classes there, {cfg.num_classes} here"
         weights = {name: tensor for name, tensor in weights.items() if name not in HEAD}
-    return weights, said
+    return weights, start_line
 
 
 def _check_resume_position(cfg: Config, loader, run_dir: RunDir) -> None:
@@ -309,7 +309,7 @@ def _check_resume_position(cfg: Config, loader, run_dir: RunDir) -> None:
                          "and --batch-schedule")
 
 
-def check_batch_phases(cfg: Run, world_size: int, train_images: int) -> None:
+def check_batch_phases(cfg: ResolvedConfig, world_size: int, train_images: int) -> None:
     """Every global batch of --batch-schedule divides over the ranks, fits in the training set, and
     splits into whole --bn-group-size groups."""
     for _, batch in batch_phases(cfg):
@@ -341,7 +341,7 @@ def _default_out_dir(cfg: Config) -> str:
     return cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
-def make_out_dir(cfg: Run, engine, start: Start) -> tuple[RunDir, "runlock.RunLock | None"]:
+def make_out_dir(cfg: ResolvedConfig, engine, start: Start) -> tuple[RunDir, "runlock.RunLock | None"]:
     """Rank 0 makes the run directory (RunDir.make: its lock, config.yaml); every rank learns the name."""
     if engine.elastic and not cfg.out_dir:  # (no collective to agree on a time-stamped name; see on_every_rank())
         raise UsageError("Horovod Elastic needs --out-dir: a worker that joins later must find the run's directory")

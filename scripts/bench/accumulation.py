@@ -70,7 +70,7 @@ def main() -> None:
         parser.error("--accumulation-steps must be 2 or more, and --batch-size, --steps and --repeats 1 or more")
     plain = Config(loader="synthetic", arch=arch, image_size=size, batch_size=batch, synthetic_images=batch * n,
                    synthetic_val_images=0, synthetic_classes=1000, epochs=1, eval_every=0, precision=args.precision,
-                   threads=args.threads, checkpoints=False, tensorboard=False)
+                   threads=args.threads, save_checkpoints=False, tensorboard=False)
     accumulating = dataclasses.replace(plain, accumulation_steps=n)
     with tempfile.TemporaryDirectory() as tmp:
         variants = {"plain": training(plain, Path(tmp) / "plain"),

@@ -28,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BASE = ["--preset", "smoke", "--arch", "resnet18", "--image-size", 32, "--eval-every", 1, "--log-every", 1000,
-        "--no-checkpoints", "--workers", 2]
+        "--no-save-checkpoints", "--workers", 2]
 # method -> the flags it adds (train 32 px; the evaluation's size and the ramp in multiples of 8)
 METHODS = {
     "baseline": [],
