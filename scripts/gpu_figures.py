@@ -53,6 +53,7 @@ STARTED = time.time()  # --deadline-s counts from here: the shell's timeout coun
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from train.hooks import LoopHooks  # noqa: E402  (imports nothing: --make-jpegs runs without torch)
+from train.rundir import RunDir  # noqa: E402  (no torch either)
 
 # single-GPU anchors, published: what -> images/s
 ANCHORS = {"A100-80GB, AMP, NVIDIA DeepLearningExamples PyTorch, batch 256": 2470,
@@ -126,7 +127,7 @@ def train(run_dir: Path, argv: list[str], sync_check: bool) -> dict:
     header = next((line for line in out.getvalue().splitlines() if line.startswith("training ")), "")
     if failure:
         return {"failed": failure, "header": header}
-    windows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    windows = [json.loads(line) for line in RunDir(run_dir).metrics.read_text().splitlines()]
     windows = [w for w in windows if w["kind"] == "train"]
     first, last = windows[0], windows[-1]
     rate = (last["images"] - first["images"]) / (last["seconds"] - first["seconds"])
@@ -139,7 +140,7 @@ def train(run_dir: Path, argv: list[str], sync_check: bool) -> dict:
 
 def _config(run_dir: Path) -> dict:
     import yaml
-    return yaml.safe_load((run_dir / "config.yaml").read_text())
+    return yaml.safe_load(RunDir(run_dir).config.read_text())
 
 
 def _where(error: BaseException) -> str:

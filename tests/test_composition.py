@@ -98,8 +98,9 @@ def test_training_has_no_base_class_and_holds_its_checkpoints():
     from train.loop import Training
     from train.saving import Checkpoints
     assert Training.__bases__ == (object,), Training.__bases__
-    init = next(node for node in ast.walk(ast.parse(LOOP.read_text()))
-                if isinstance(node, ast.FunctionDef) and node.name == "__init__")
+    training = next(node for node in ast.walk(ast.parse(LOOP.read_text()))
+                    if isinstance(node, ast.ClassDef) and node.name == "Training")
+    init = next(node for node in training.body if isinstance(node, ast.FunctionDef) and node.name == "__init__")
     held = {target.attr for node in ast.walk(init) if isinstance(node, ast.Assign) for target in node.targets
             if isinstance(target, ast.Attribute) and isinstance(node.value, ast.Call)
             and getattr(node.value.func, "id", "") == Checkpoints.__name__}

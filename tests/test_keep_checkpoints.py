@@ -12,6 +12,7 @@ from train import checkpoint
 from train.cli import parse
 from train.config import Config
 from train.errors import UsageError
+from train.rundir import RunDir
 from train.startup import init_weights
 
 # 32 images at global batch 8: 4 steps per epoch; an evaluation after every epoch. Seed 5's evaluations
@@ -119,7 +120,7 @@ def test_kept_copies_survive_damage_to_checkpoint_pt_and_a_resume_takes_the_newe
     with pytest.raises(UsageError, match=r"^cannot load .*checkpoint.pt: it is truncated.*; the kept copies "
                                          r"checkpoint-best.pt, checkpoint-epoch003.pt, checkpoint-epoch004.pt "
                                          r"cannot be read either$"):
-        checkpoint.to_resume(run)
+        RunDir(run).to_resume()
 
 
 def test_a_copy_that_cannot_be_made_is_said_and_the_next_write_goes_on(tmp_path):

@@ -10,7 +10,7 @@ import yaml
 
 from helpers import REPO
 from train import cli, rundir
-from train.config import Config
+from train.config import Config, to_dict
 from train.errors import RunFinished, UsageError
 from train.rundir import RunDir
 
@@ -125,3 +125,21 @@ def test_saved_settings_under_an_old_key_are_read_under_the_new_one(tmp_path, mo
     cfg, start = cli.read_command(["--resume", "--out-dir", str(run)])
     assert (start.kind, cfg.seed) == ("resume", 5)
     assert rundir.current_keys({"init_seed": 5, "arch": "resnet18"}) == {"seed": 5, "arch": "resnet18"}
+
+
+@pytest.mark.parametrize("spelling", ["run", "run/", "./run"])
+def test_a_config_made_by_parse_decides_as_the_command_line_does(tmp_path, monkeypatch, spelling):
+    """run(cfg) and prepare(cfg) without the command line's Start (an API caller of cli.parse) restart
+    the run they find as `python -m train` does: a restart (its same-run check), the saved per-rank batch
+    and accumulation steps kept, the line naming the folder however --out-dir spells it."""
+    monkeypatch.chdir(tmp_path)
+    saved_run(tmp_path / "run", checkpoint={}, **{**yaml.safe_load(yaml.safe_dump(to_dict(cli.parse(TINY)))),
+                                                 "global_batch_size": 32, "batch_size": 8, "accumulation_steps": 4})
+    argv = [*TINY, "--out-dir", spelling]
+    cfg, start = cli.read_command(argv)
+    made = rundir.start_of(cli.parse(argv))
+    assert (start.kind, start.from_checkpoint, start.saved_batch) == ("restart", True, (8, 4))
+    assert (made.kind, made.from_checkpoint, made.saved_batch, made.reason) == \
+        (start.kind, start.from_checkpoint, start.saved_batch, start.reason)
+    assert start.reason.startswith("run holds its run's config.yaml and a checkpoint")
+    assert not cfg.resume  # (the user's --resume: a restart is not one)

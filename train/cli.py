@@ -20,7 +20,7 @@ import yaml
 from train.command import CommandParser
 from train.config import CHOICES, FIELDS, GROUPS, RENAMED, Config
 from train.errors import UsageError
-from train.rundir import RunDir, Start, decide
+from train.rundir import RunDir, Start, decide, keep_batch
 from train.crops import NO_RAMP
 
 
@@ -188,8 +188,8 @@ def read_command(argv: list[str]) -> tuple[Config, Start]:
     # run) continues its run from its checkpoint, or starts it again when it was lost before its first;
     # start-up checks that the command defines the same run (RunDir.check_same_run)
     start = decide(out_dir, bool(flags.get("resume")), bool(flags.get("test_only")))
-    if start.kind != "new":
-        flags["resume"] = start.from_checkpoint
+    if flags.get("test_only"):
+        flags["resume"] = False
     from_saved = start.kind in ("resume", "evaluate")
     if from_saved:
         what = "--test-only" if flags.get("test_only") else "--resume"
@@ -206,7 +206,7 @@ def read_command(argv: list[str]) -> tuple[Config, Start]:
         for partner in partners if name in flags else ():
             if partner not in flags:
                 values[partner] = FIELDS[partner].default
-    start = keep_saved_batch(values, flags, start, from_saved)
+    start = keep_saved_batch(values, flags, start)
     leave_out_sizes(values, flags, start, "the run's saved config" if from_saved else f"preset {preset}")
     values.update(flags, flags_given=given)
     if values.get("resolution_schedule", "").strip().lower() in NO_RAMP:
@@ -219,24 +219,21 @@ def read_command(argv: list[str]) -> tuple[Config, Start]:
     return cfg, start
 
 
-def keep_saved_batch(values: dict, flags: dict, start: Start, from_saved: bool) -> Start:
+def keep_saved_batch(values: dict, flags: dict, start: Start) -> Start:
     """The global batch defines the run: started again (a restart: an elastic launcher's, a requeue on a
     smaller allocation; or --resume without batch flags), it keeps it, and keeps its per-rank batch where
     the new rank count divides, by accumulating more or fewer steps (batches.split_batch). A restart's
     own --batch-size and --accumulation-steps are not taken; a restart whose command names the run's own
     global batch is the same command started again. Returns the start with what it kept."""
-    run_config = saved_overrides(start.run_dir) if start.restarted else {}
-    restart = start.restarted and flags.get("global_batch_size", run_config.get("global_batch_size")) == \
-        run_config.get("global_batch_size")
-    if not (restart or (from_saved and not flags.get("test_only") and not set(BATCH_FLAGS) & set(flags))):
+    if start.restarted:
+        saved_overrides(start.run_dir)  # (a config.yaml that is not a mapping of settings: refused here)
+    kept = keep_batch(start, flags.get("global_batch_size"), bool(set(BATCH_FLAGS) & set(flags)))
+    if not kept.saved_batch:
         return start
-    saved = values if from_saved else run_config
-    if not saved.get("global_batch_size"):
-        return start
-    kept = (saved.get("batch_size") or saved["global_batch_size"], saved.get("accumulation_steps") or 1)
-    command = (flags.pop("batch_size", 0), flags.pop("accumulation_steps", 0)) if restart else ()
-    values.update(batch_size=0, global_batch_size=saved["global_batch_size"], accumulation_steps=0)
-    return dataclasses.replace(start, saved_batch=kept, command_batch=command)
+    command = (flags.pop("batch_size", 0), flags.pop("accumulation_steps", 0)) if start.restarted else ()
+    values.update(batch_size=0, global_batch_size=start.run_dir.saved_settings()["global_batch_size"],
+                  accumulation_steps=0)
+    return dataclasses.replace(kept, command_batch=command)
 
 
 def validate(cfg: Config) -> Config:

@@ -153,12 +153,6 @@ class Training:
     def loader(self):
         return self.setup.loader
 
-    @property
-    def loader_split(self) -> tuple[int, int]:
-        """The per-rank batch and the batches per optimizer step the loader runs at now (its own state:
-        the settings' as built, then the epoch's batch phase)."""
-        return self.loader.batch_split
-
     def start(self) -> None:
         cfg, engine, loader, s = self.cfg, self.engine, self.loader, self.state
         header, device_name, layout = run_header(self.setup, cfg, self.precision, self.out_dir)
@@ -177,7 +171,7 @@ class Training:
         self.log.run_start(resumed_at if cfg.resume else None, topology=layout and {
             **layout, "hosts": engine.hosts, "sample_list_digest": loader.sample_list_digest})
         self.started = time.time()
-        self.checkpoints.last_saved = self.started  # (--checkpoint-every-minutes counts from the run's start)
+        self.checkpoints.start_clock()  # (--checkpoint-every-minutes counts from the run's start)
         self.first_step = s.step  # where this segment of the run starts (0, or a resume's step)
         s.stop = s.step >= cfg.max_steps > 0
         self.hooks.run_started(self)
@@ -214,7 +208,7 @@ class Training:
         self.window, self.epoch_meter = LossMeter(self.engine.device), LossMeter(self.engine.device)
         batches = self._epoch_batches()
         for first in batches:  # each step's first batch; the step takes the rest of its batches from the same iterator
-            loss = self.train_step(itertools.chain([first], itertools.islice(batches, self.loader_split[1] - 1)))
+            loss = self.train_step(itertools.chain([first], itertools.islice(batches, self.loader.batch_split[1] - 1)))
             self.hooks.step_done(s.step, loss)
             self.window.add(loss)
             self.epoch_meter.add(loss)
@@ -234,7 +228,7 @@ class Training:
         of the last few."""
         s = self.state
         batches = self.loader.train_batches(s.epoch, s.step_in_epoch, self.plan.augment(s.epoch))
-        passes = self.loader_split[1]  # (the bar counts batches, each a global batch's 1/passes)
+        passes = self.loader.batch_split[1]  # (the bar counts batches, each a global batch's 1/passes)
         batches = iter(progress(batches, (self.loader.steps_per_epoch - s.step_in_epoch) * passes,
                                 self.plan.global_batch(s.epoch) // passes, self.engine.rank == 0, f"epoch {s.epoch + 1}"))
         while True:
@@ -286,7 +280,7 @@ class Training:
             self.log.print(f"epoch {s.epoch + 1}: training crops of {size} px{before}")
         s.last_crop, self.resumed = size, False
         global_batch, per_rank, steps = epoch_split(self.cfg, s.epoch)
-        if (per_rank, steps) != self.loader_split:  # (a resumed run in a later phase changes without a log line)
+        if (per_rank, steps) != self.loader.batch_split:  # (a resumed run in a later phase changes without a log line)
             self.loader.set_batch_size(per_rank, steps)
         if s.step_in_epoch == 0 and s.epoch > 0 and global_batch != self.plan.global_batch(s.epoch - 1):
             self.log.batch_change(s.epoch + 1, s.step, global_batch, per_rank, steps)
@@ -296,7 +290,7 @@ class Training:
         the last pass's backward averages them over the ranks, then the update). Returns the mean loss
         of its batches on the device, 0 when it was not finite (a non-finite loss counts in the streak,
         not in the averages)."""
-        s, passes = self.state, self.loader_split[1]
+        s, passes = self.state, self.loader.batch_split[1]
         settings = self.lr_schedule.step_settings(s.step + 1)
         for group in self.optimizer.param_groups:
             group.update(settings)
@@ -338,7 +332,7 @@ class Training:
         position, lr, loss_scale = (s.step, s.epoch, s.step_in_epoch, s.bad_steps), self.lr, self.precision.state_dict()
         settings = [{key: value for key, value in group.items() if key != "params"} for group in self.optimizer.param_groups]
         try:
-            yield lambda images, labels: self.train_step([(images, labels)] * self.loader_split[1])
+            yield lambda images, labels: self.train_step([(images, labels)] * self.loader.batch_split[1])
         finally:
             s.step, s.epoch, s.step_in_epoch, s.bad_steps = position
             self.lr = lr
@@ -395,9 +389,7 @@ class Training:
 
     # Horovod Elastic (train/elastic.py) ----------------------------------------------------------
     def reopen_log(self) -> None:  # (rank 0 moved: the run log is written by whoever is rank 0 now)
-        self.log.close()
-        self.log = self.checkpoints.log = RunLog(self.out_dir if self.engine.rank == 0 else None, self.cfg, self.eval_plan)
-        self.log.take_over(self.state.step)
+        self.log.reopen(self.out_dir if self.engine.rank == 0 else None, self.cfg, self.state.step)
 
     def check_replicas(self) -> None:
         if self.engine.world_size > 1:  # every rank must end with the model that was saved

@@ -234,6 +234,7 @@ class RunDir:
             # whole or not at all (another rank, or a worker joining later, may read it at any moment)
             written.write_text(yaml.safe_dump(settings, sort_keys=False))
             os.replace(written, self.config)
+            self._saved = None  # (read again from the disk when asked: the file is this start's now)
         except OSError as err:
             with contextlib.suppress(OSError):
                 written.unlink(missing_ok=True)
@@ -283,20 +284,49 @@ class Start:
         return self.kind == RESTART
 
 
+def keep_batch(start: Start, global_batch: "int | None", batch_flags_given: bool) -> Start:
+    """The start with the batch of the run it continues kept (`saved_batch`): the global batch defines the
+    run, so a restart that names no other global batch (`global_batch`: the command's, None if not
+    given), or a --resume without batch flags, keeps the saved per-rank batch and accumulation steps
+    (batches.split_batch keeps them where the new rank count divides)."""
+    if start.kind == RESTART:
+        saved = start.run_dir.saved_settings()
+        if global_batch is not None and global_batch != saved.get("global_batch_size"):
+            return start
+    elif start.kind == RESUME and not batch_flags_given:
+        saved = start.run_dir.saved_settings()
+    else:
+        return start
+    if not saved.get("global_batch_size"):
+        return start
+    kept = (saved.get("batch_size") or saved["global_batch_size"], saved.get("accumulation_steps") or 1)
+    return dataclasses.replace(start, saved_batch=kept)
+
+
+def start_of(cfg) -> Start:
+    """The start a Config made without the command line (by hand, or by cli.parse) makes: the decision
+    cli.read_command makes, from the settings and the directory."""
+    given = set(cfg.flags_given)
+    start = decide(cfg.out_dir, cfg.resume, cfg.test_only)
+    return keep_batch(start, cfg.global_batch_size if "global_batch_size" in given else None,
+                      bool(given & {"batch_size", "global_batch_size", "accumulation_steps"}))
+
+
 def decide(out_dir: str, resume: bool, test_only: bool, run_dir: "RunDir | None" = None) -> Start:
     """The start a command makes on `out_dir` ("" for a new time-stamped one): --test-only evaluates,
     --resume resumes, a directory holding a run's config.yaml is the same command started again (restart
     is resume: it continues from the run's checkpoint, or starts it again from step 0 when it was lost
     before its first), anything else is a new run. Refusals are the checks' (RunDir.check) and parse's."""
     run_dir = run_dir or (RunDir(out_dir) if out_dir else None)
+    where = run_dir.path if run_dir else out_dir  # (as the path spells it: run/ and ./run are run)
     if test_only:
-        return Start(EVALUATE, f"--test-only: evaluating a checkpoint of {out_dir}", run_dir=run_dir)
+        return Start(EVALUATE, f"--test-only: evaluating a checkpoint of {where}", run_dir=run_dir)
     if resume:
-        return Start(RESUME, f"--resume: continuing the run in {out_dir} from its checkpoint", True, run_dir=run_dir)
+        return Start(RESUME, f"--resume: continuing the run in {where} from its checkpoint", True, run_dir=run_dir)
     if run_dir is None or not run_dir.holds_config():
-        return Start(NEW, f"a new run in {out_dir or 'a new time-stamped folder'}", run_dir=run_dir)
+        return Start(NEW, f"a new run in {where or 'a new time-stamped folder'}", run_dir=run_dir)
     if run_dir.resumable():
-        return Start(RESTART, f"{out_dir} holds its run's {RunDir.CONFIG} and a checkpoint: continuing it", True,
+        return Start(RESTART, f"{where} holds its run's {RunDir.CONFIG} and a checkpoint: continuing it", True,
                      run_dir=run_dir)
-    return Start(RESTART, f"{out_dir} holds no checkpoint of its run yet: starting it again from step 0 (its logs "
+    return Start(RESTART, f"{where} holds no checkpoint of its run yet: starting it again from step 0 (its logs "
                           "kept as *.lost)", run_dir=run_dir)

@@ -42,6 +42,14 @@ class RunLog:
         self._previous = _previous_segment(run_dir.metrics)
         self._metrics = open(run_dir.metrics, "a", buffering=1)
 
+    def reopen(self, out_dir: Path | None, cfg, step: int) -> None:
+        """Horovod Elastic moved rank 0: this log is written by whoever is rank 0 now (out_dir None:
+        silent), under the settings of the new worker count, going on from `step`; whoever holds it keeps
+        the same object."""
+        self.close()
+        self.__init__(out_dir, cfg, self.eval_plan)
+        self.take_over(step)
+
     def take_over(self, step: int) -> None:
         """Horovod Elastic made this worker rank 0 in the middle of the run, going on from `step`: it
         continues the files, the TensorBoard curves and the training clock where they end."""

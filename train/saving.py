@@ -135,6 +135,9 @@ class Checkpoints:
         if engine.any(problem is not None):
             raise raised_everywhere(RunAborted(problem or "rank 0 could not write the checkpoint"))
 
+    def start_clock(self) -> None:
+        self.last_saved = time.time()
+
     def due_by_clock(self) -> bool:
         """--checkpoint-every-minutes reads rank 0's clock, which the ranks agree on at their agreements
         (--checkpoint-every-steps counts steps, alike on every rank)."""

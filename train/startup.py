@@ -23,7 +23,7 @@ from train.engines.topology import check_bn_span
 from train.errors import RunFinished, UsageError, raised_everywhere
 from train.precision import Precision, check_crop
 from train.rules import DEFAULT_PER_RANK_BATCH, lr_and_warmup
-from train.rundir import RunDir, Start, current_keys, decide
+from train.rundir import RunDir, Start, current_keys, start_of
 from train.crops import crop_note, training_crops
 from train.schedule import EpochClock, batch_changes, batch_phases
 
@@ -67,7 +67,7 @@ def prepare(cfg: Config, start: Start | None = None) -> Setup:
     directory (rank 0 makes it and takes its lock). `start`: cli.read_command's decision on the run
     directory (None: decided here from the settings and the directory, as the command line would)."""
     started_ms = int(time.time() * 1000)
-    start = start or decide(cfg.out_dir, cfg.resume, cfg.test_only)
+    start = start or start_of(cfg)
     engine = create_engine(cfg)
     # one name, whatever each rank's clock says (Horovod Elastic has no collective for it: make_out_dir refuses)
     out_dir = cfg.out_dir or ("" if engine.elastic else engine.broadcast_object(_default_out_dir(cfg)))
@@ -117,7 +117,7 @@ def prepare_evaluation(cfg: Config, start: Start | None = None) -> tuple:
     """--test-only's start-up: (engine, precision, loader, saved state) for the checkpoint in --out-dir
     (or --test-checkpoint) over the validation set of its run's data (or --data-dir)."""
     engine = create_engine(cfg)
-    run_dir = start.run_dir if start and start.run_dir else RunDir(cfg.out_dir)
+    run_dir = run_dir_of(start, cfg.out_dir)
 
     def checked():
         saved = run_dir.to_evaluate(cfg.test_checkpoint)
@@ -190,7 +190,7 @@ def checked_setup(cfg: Config, engine, out_dir: str, start: Start | None = None)
     """The settings resolved and the parts that check the input: (the ResolvedConfig, loader, precision, data dir,
     the header's notes, --init-from's weights and line or None, warning lines). What the flags leave
     open the device decides (train/device_choices.py): the precision, the loader and the per-GPU batch."""
-    start = start or decide(cfg.out_dir, cfg.resume, cfg.test_only)
+    start = start or start_of(cfg)
     smallest_crop, largest_crop = training_crops(cfg.image_size, cfg.resolution_schedule)
     precision = Precision(cfg.precision, engine.device)
     check_crop(precision.name, engine.device, smallest_crop)
@@ -222,7 +222,7 @@ def checked_setup(cfg: Config, engine, out_dir: str, start: Start | None = None)
     # read-only checks of the run directory the user named: rank 0's verdict reaches the others through
     # on_every_rank(); under Horovod Elastic (no collective there) every rank reads the same files and decides alike
     if cfg.out_dir and (engine.rank == 0 or engine.elastic):
-        run_dir = start.run_dir or RunDir(run.out_dir)
+        run_dir = run_dir_of(start, run.out_dir)
         run_dir.check(run, start, elastic=engine.elastic)
         if run.resume:
             _check_resume_position(run, loader, run_dir)
@@ -341,11 +341,18 @@ def _default_out_dir(cfg: Config) -> str:
     return cfg.out_dir or f"runs/{Path(cfg.preset).stem or 'run'}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+def run_dir_of(start: "Start | None", out_dir: str) -> RunDir:
+    """The Start's RunDir (its saved settings read once) when it names `out_dir`, else a RunDir of it."""
+    if start and start.run_dir and start.run_dir.path == Path(out_dir):
+        return start.run_dir
+    return RunDir(out_dir)
+
+
 def make_out_dir(cfg: ResolvedConfig, engine, start: Start) -> tuple[RunDir, "runlock.RunLock | None"]:
     """Rank 0 makes the run directory (RunDir.make: its lock, config.yaml); every rank learns the name."""
     if engine.elastic and not cfg.out_dir:  # (no collective to agree on a time-stamped name; see on_every_rank())
         raise UsageError("Horovod Elastic needs --out-dir: a worker that joins later must find the run's directory")
-    run_dir = start.run_dir if start.run_dir and str(start.run_dir) == cfg.out_dir else RunDir(cfg.out_dir)
+    run_dir = run_dir_of(start, cfg.out_dir)
     if engine.rank != 0:
         return run_dir, None
     return run_dir, run_dir.make(to_dict(cfg), start, elastic=engine.elastic)

@@ -25,6 +25,7 @@ import torch  # noqa: E402
 
 from train.config import Config  # noqa: E402
 from train.loop import run  # noqa: E402
+from train.rundir import RunDir  # noqa: E402
 
 
 def main() -> None:
@@ -58,7 +59,7 @@ def one_run(args) -> float:
                      max_steps=args.steps, log_every=1, eval_every=0, checkpoint_every_steps=args.every,
                      out_dir=str(Path(tmp) / "run"), precision="fp32", lr=5.0, warmup_epochs=0.1)
         run(cfg)
-        records = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        records = [json.loads(line) for line in RunDir(Path(tmp) / "run").metrics.read_text().splitlines()]
     # each step's span: it ended when it was logged and lasted batch / img_per_s
     steps = {r["step"]: (r["time"] - args.batch_size / r["img_per_s"], r["time"])
              for r in records if r["kind"] == "train" and r["step"] > args.warmup}

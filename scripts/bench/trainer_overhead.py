@@ -19,6 +19,7 @@ from models import build_model
 from train.config import Config
 from train.lars import LARS, decay_param_groups
 from train.loop import run
+from train.rundir import RunDir
 
 
 def trainer_images_per_s(args, out_dir: Path) -> float:
@@ -27,7 +28,7 @@ def trainer_images_per_s(args, out_dir: Path) -> float:
                  epochs=1, max_steps=args.steps + args.window, log_every=args.window, eval_every=0,
                  out_dir=str(out_dir), precision="fp32", lr=5.0, warmup_epochs=0.1)
     run(cfg)
-    windows = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    windows = [json.loads(line) for line in RunDir(out_dir).metrics.read_text().splitlines()]
     windows = [w for w in windows if w["kind"] == "train"]
     first, last = windows[0], windows[-1]  # from the end of the first window to the end
     return (last["images"] - first["images"]) / (last["seconds"] - first["seconds"])
