@@ -39,7 +39,7 @@ from train.meters import LossMeter, SampleLedger, SkippedFiles
 from train.optim import build_optimizer
 from train.runlog import RunLog, count, progress, run_header
 from train.saving import Checkpoints
-from train.schedule import EpochClock, EpochPlan, EvalPlan, build_lr_schedule
+from train.schedule import EpochClock, EvalPlan, build_schedules
 from train.startup import Setup, prepare
 from train.stopping import FlagChecks, StopSignal
 
@@ -98,6 +98,7 @@ class RunState:
     best_step: int | None = None
     reached_target: bool = False
     stop: bool = False
+    last_saved: float = 0.0  # when the last checkpoint was saved, or the run started (--checkpoint-every-minutes)
 
 
 class Training:
@@ -120,7 +121,7 @@ class Training:
         model = engine.sync_batchnorm(model, cfg.bn_span, cfg.bn_ghost_group)
         optimizer = build_optimizer(cfg, model)
         self.clock = EpochClock.of(cfg, loader.train_images)
-        self.lr_schedule, self.plan = build_lr_schedule(cfg, self.clock), EpochPlan.of(cfg, self.clock)
+        self.lr_schedule, self.plan = build_schedules(cfg, self.clock)
         self.recent = RecentBatches(cfg.bn_recompute_batches)
         self.criterion = torch.nn.CrossEntropyLoss(label_smoothing=cfg.label_smoothing)
         self.state = RunState(bad_steps=torch.zeros((), dtype=torch.int64, device=device), last_crop=cfg.image_size)
@@ -170,8 +171,7 @@ class Training:
         # (with how the ranks lie on the nodes, from their host names, and what they all train on)
         self.log.run_start(resumed_at if cfg.resume else None, topology=layout and {
             **layout, "hosts": engine.hosts, "sample_list_digest": loader.sample_list_digest})
-        self.started = time.time()
-        self.checkpoints.start_clock()  # (--checkpoint-every-minutes counts from the run's start)
+        self.started = s.last_saved = time.time()  # (--checkpoint-every-minutes counts from the run's start)
         self.first_step = s.step  # where this segment of the run starts (0, or a resume's step)
         s.stop = s.step >= cfg.max_steps > 0
         self.hooks.run_started(self)

@@ -30,7 +30,6 @@ class Checkpoints:
         self.setup, self.model, self.optimizer, self.ema, self.state = setup, model, optimizer, ema, state
         self.skipped, self.flag_checks, self.writer = skipped, flag_checks, writer
         self.log = log  # (Horovod Elastic: the new rank 0's, once rank 0 moved: Training.reopen_log)
-        self.last_saved = time.time()  # (--checkpoint-every-minutes counts from it)
         self.in_flight = None  # the entries of the checkpoint being written, for --keep-checkpoints
         self.host_memory_unreserved = True  # (rank 0's checkpoint copies: reserve_host_memory)
 
@@ -131,18 +130,15 @@ class Checkpoints:
                 problem = (f"could not write {self.run_dir.checkpoint} at step {self.writer.failed_step} "
                            f"({err.strerror or err}); {self.left_to_continue()}; free disk space and start the same "
                            f"command{self.setup.restart_flags} again")
-        self.last_saved = time.time()
+        self.state.last_saved = time.time()
         if engine.any(problem is not None):
             raise raised_everywhere(RunAborted(problem or "rank 0 could not write the checkpoint"))
-
-    def start_clock(self) -> None:
-        self.last_saved = time.time()
 
     def due_by_clock(self) -> bool:
         """--checkpoint-every-minutes reads rank 0's clock, which the ranks agree on at their agreements
         (--checkpoint-every-steps counts steps, alike on every rank)."""
         minutes = self.cfg.checkpoint_every_minutes
-        return bool(minutes) and self.engine.rank == 0 and time.time() - self.last_saved >= minutes * 60
+        return bool(minutes) and self.engine.rank == 0 and time.time() - self.state.last_saved >= minutes * 60
 
     def reserve_host_memory(self) -> None:
         """Once, after the first step (the optimizer has its state): the host memory of rank 0's

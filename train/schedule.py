@@ -196,6 +196,12 @@ def build_lr_schedule(cfg, clock: EpochClock) -> LRSchedule:
     return SCHEDULES[cfg.lr_schedule].of(cfg, clock)
 
 
+def build_schedules(cfg, clock: EpochClock) -> "tuple[LRSchedule, EpochPlan]":
+    """The run's two schedules, each whole: what moves per step (the LR and the optimizer's settings)
+    and what changes per epoch (global batch, crop size, augmentation)."""
+    return build_lr_schedule(cfg, clock), EpochPlan.of(cfg, clock)
+
+
 class EpochPlan:
     """What the loop sets at the start of each epoch (0-based): its global batch (--batch-schedule,
     through the clock), its training crop size (--resolution-schedule's ramp, else --image-size) and
