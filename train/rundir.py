@@ -37,6 +37,7 @@ class RunDir:
     EPOCH_COPY = re.compile(r"checkpoint-epoch(\d+)\.pt")  # --keep-checkpoints: the checkpoint at an epoch's end
     METRICS = "metrics.jsonl"
     MLLOG = "mllog.txt"
+    TENSORBOARD = "tensorboard"  # --tensorboard's event files (rank 0)
     PREEMPTED = "PREEMPTED"  # beside checkpoint.pt while a run stopped by a signal waits for its restart
     LOCK = runlock.LOCK_NAME
     LOST = ".lost"  # the suffix of the files of an attempt lost before its first checkpoint
@@ -66,6 +67,10 @@ class RunDir:
     @property
     def mllog(self) -> Path:
         return self.path / self.MLLOG
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / self.TENSORBOARD
 
     @property
     def preempted_marker(self) -> Path:

@@ -58,7 +58,7 @@ class RunLog:
 
     def _open_tensorboard(self, resumed_step: int | None) -> None:
         if self.enabled and self.cfg.tensorboard and self.tensorboard is None:
-            self.tensorboard = TensorBoard(self.out_dir / "tensorboard", resumed_step)
+            self.tensorboard = TensorBoard(RunDir(self.out_dir).tensorboard, resumed_step)
 
     def workers(self, step: int, ranks: int, per_rank: int, steps: int = 1) -> None:
         """Horovod Elastic changed the workers; the run goes on from its commit at `step`."""
