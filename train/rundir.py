@@ -112,10 +112,10 @@ class RunDir:
         """Whether it holds a run's files but not the config.yaml to continue it from (asked of the disk now)."""
         return not self.holds_config() and any((self.path / name).exists() for name in self.RUN_FILES)
 
-    def preempted_at(self) -> str:
-        """The step a run stopped by a signal saved last ("" when it was not)."""
+    def preempted_at(self) -> "str | None":
+        """The step a run stopped by a signal saved last, as its marker says (None: not stopped so)."""
         marker = self.preempted_marker
-        return marker.read_text().strip().removeprefix("step ") if marker.is_file() else ""
+        return marker.read_text().strip().removeprefix("step ") if marker.is_file() else None
 
     def to_resume(self) -> tuple[Path, str]:
         """The checkpoint a resume reads: checkpoint.pt, or where it is missing or cannot be read, the kept

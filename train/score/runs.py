@@ -115,7 +115,7 @@ def _how_it_ended(run_dir: Path, config: dict, metrics: list[dict], log: _Log, n
                            "to its last eval")
     if log.status == "crashed":
         step = RunDir(run_dir).preempted_at()  # (the marker beside checkpoint.pt of a run stopped by a signal; a resume removes it)
-        if step:
+        if step is not None:
             notes.append(f"preempted at step {step}: resumable, its checkpoint.pt continues it (start the same "
                          f"command with --out-dir {run_dir}); scored up to its last complete eval")
             return "preempted", f"no verdict: preempted at step {step}, the run has not ended"
