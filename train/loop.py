@@ -47,7 +47,7 @@ from train.stopping import FlagChecks, StopSignal
 def run(cfg: Config, hooks: "tuple[LoopHooks, ...]" = (), start=None) -> dict:
     # train/startup.py: everything that can fail, before the run's first step (`start`: whether the run is
     # new, restarted or resumed, where the command decided it already)
-    setup = prepare(cfg) if start is None else prepare(cfg, start)
+    setup = prepare(cfg, start)
     try:
         return _train(Training(setup, hooks))
     finally:  # the run directory is free for the next job however this one ends (a killed one's lock goes stale)

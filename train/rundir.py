@@ -106,7 +106,7 @@ class RunDir:
 
     def resumable(self) -> bool:
         """Whether it holds a checkpoint to resume from (checkpoint.pt or a kept copy)."""
-        return any(self.path.glob("checkpoint*.pt"))
+        return bool(self.checkpoints())
 
     def holds_logs_only(self) -> bool:
         """Whether it holds a run's files but not the config.yaml to continue it from (asked of the disk now)."""
@@ -201,9 +201,10 @@ class RunDir:
     def check_continuable(self, cfg) -> None:
         """--resume has a checkpoint; a finished run stays as it is (RunFinished: a restarted finished job
         is not a failure); files of a run without its config.yaml are another run's."""
-        if cfg.resume and not self.resumable():
+        resumable = self.resumable()
+        if cfg.resume and not resumable:
             raise UsageError(f"{self.path} holds no {self.CHECKPOINT} to resume from; check --out-dir or drop --resume")
-        if self.resumable():
+        if resumable:
             done = nothing_left(cfg, self.saved_position())
             if done:
                 raise RunFinished(f"{self.path} holds a finished run ({done}); nothing to do, its files are unchanged")
